@@ -1,0 +1,1 @@
+"""Cluster-facing pieces: storage roots, spot handling, metrics. Imports nothing from trainers/ or service/."""

@@ -1,0 +1,1 @@
+"""Training: the job spec, the launcher, the per-worker loop, data, checkpoints, workloads."""

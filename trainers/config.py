@@ -1,0 +1,472 @@
+"""The job spec: one validated model, loaded from JSON or YAML, checked once at the edge.
+
+Every problem in a spec is reported at once, one line each, as
+``field.path: value: what is wrong: how to fix``; nothing starts until the spec is clean.
+The deployment guide's template (training/distributed/checkpoint) loads unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import posixpath
+import re
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+
+from cluster.storage import check_uri, default_root
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+BUILTIN_SOURCES = {"builtin:digits": "mlp", "builtin:text": "tiny_gpt"}
+
+
+class SpecError(Exception):
+    """A spec that cannot run; ``problems`` holds one plain line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+    def render(self, source: str = "job spec") -> str:
+        n = len(self.problems)
+        head = f"invalid {source}: {n} problem{'s' if n != 1 else ''}"
+        return "\n".join([head, *(f"  - {p}" for p in self.problems)])
+
+
+class Strict(BaseModel):
+    """Base for every section: unknown keys are errors, values are checked on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def check_import_ref(ref: str) -> str:
+    """Check that ``pkg.module:attr`` names something importable and callable."""
+    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", ref):
+        raise ValueError("must look like 'package.module:function'")
+    module_name, attr = ref.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # boundary: any import failure is the user's to fix
+        raise ValueError(
+            f"cannot import module {module_name!r} ({type(exc).__name__}: {exc}): "
+            "install it or put it on PYTHONPATH"
+        ) from None
+    if not callable(getattr(module, attr, None)):
+        raise ValueError(f"module {module_name!r} has no callable {attr!r}")
+    return ref
+
+
+class LRSchedule(Strict):
+    kind: Literal["constant", "warmup_cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class TrainingConfig(Strict):
+    batch_size: int = Field(64, gt=0, description="GLOBAL samples per optimizer step, whatever the world size")
+    learning_rate: float = Field(1e-3, gt=0)
+    epochs: int = Field(1, gt=0)
+    max_steps: int | None = Field(None, gt=0, description="stop after this many optimizer steps (overrides epochs)")
+    optimizer: Literal["AdamW", "Adam", "SGD"] = "AdamW"
+    weight_decay: float = Field(0.0, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
+    grad_accum_steps: int | None = Field(None, gt=0)
+    micro_batch_size: int | None = Field(None, gt=0)
+    gradient_checkpointing: bool = False
+    grad_clip_norm: float | None = Field(None, gt=0)
+    lr_schedule: LRSchedule = LRSchedule()
+    seed: int = Field(0, ge=0)
+    compile: bool = False
+    log_interval_steps: int = Field(10, gt=0)
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _canonical_optimizer(cls, v: Any) -> Any:
+        names = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+        return names.get(v.lower(), v) if isinstance(v, str) else v
+
+
+
+class WorkerRange(Strict):
+    min: int = Field(gt=0)
+    max: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> WorkerRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is greater than max ({self.max}): swap them")
+        return self
+
+
+class DistributedConfig(Strict):
+    strategy: Literal["DDP"] = "DDP"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    master_addr: str | None = Field(None, description="accepted for compatibility; Ray's rendezvous sets it")
+    master_port: int | None = Field(None, ge=1, le=65535, description="accepted; Ray's rendezvous sets it")
+    num_workers: Annotated[
+        Annotated[int, Tag("int")] | Annotated[WorkerRange, Tag("range")],
+        Discriminator(lambda v: "range" if isinstance(v, (dict, WorkerRange)) else "int"),
+    ] = 2
+    use_gpu: bool | None = Field(None, description="None: use GPUs when the cluster has them")
+    resources_per_worker: dict[str, float] | None = None
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    timeout_s: int = Field(1800, gt=0)
+
+    @field_validator("strategy", "backend", mode="before")
+    @classmethod
+    def _canonical_case(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v.upper() if v.lower() == "ddp" else v.lower()
+        return v
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _int_or_range(cls, v: Any) -> Any:
+        if isinstance(v, dict) or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError("must be a positive integer or {min: m, max: n}")
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, amount in (v or {}).items():
+            if amount < 0:
+                raise ValueError(f"resource {key!r} is negative ({amount}): use 0 or more")
+        return v
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers.min
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers if isinstance(self.num_workers, int) else self.num_workers.max
+
+
+class CheckpointConfig(Strict):
+    interval: int = Field(1000, gt=0, description="steps between checkpoints; one is always taken at the end")
+    path: str = Field(
+        "checkpoints/model_{step}.pt",
+        description="checkpoint file inside the job's folder under the storage root; a leading / means the job folder",
+    )
+    storage_root: str = Field(default_factory=default_root, description="local directory or s3://bucket/prefix")
+    num_to_keep: int | None = Field(3, gt=0)
+    upload: Literal["async", "sync"] = "async"
+
+    @field_validator("path")
+    @classmethod
+    def _inside_job_folder(cls, v: str) -> str:
+        if "://" in v:
+            raise ValueError("is a URI: put the bucket or directory in checkpoint.storage_root; path is a file name")
+        rel = posixpath.normpath(v.lstrip("/"))
+        if rel.startswith("..") or rel in (".", ""):
+            raise ValueError("escapes the job's folder: use a path like 'checkpoints/model_{step}.pt' without '..'")
+        if not rel.endswith(".pt"):
+            raise ValueError("must name a .pt file, e.g. 'checkpoints/model_{step}.pt'")
+        try:
+            rel.format(step=0)
+        except (KeyError, IndexError, ValueError):
+            raise ValueError("only the {step} placeholder is allowed") from None
+        return v
+
+    @field_validator("storage_root")
+    @classmethod
+    def _valid_root(cls, v: str) -> str:
+        problem = check_uri(v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
+    @property
+    def run_folder(self) -> str:
+        """The folder (relative to the job folder) where Ray Train keeps the checkpoints."""
+        return posixpath.dirname(posixpath.normpath(self.path.lstrip("/"))) or "checkpoints"
+
+    def file_name(self, step: int) -> str:
+        return posixpath.basename(self.path).format(step=step)
+
+
+class DataConfig(Strict):
+    source: str | None = Field(None, description="builtin:digits, builtin:text, or a Parquet path / s3:// URI")
+    factory: str | None = Field(None, description="'pkg.module:fn' returning a map-style Dataset")
+    options: dict[str, Any] = {}
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per training worker")
+    prefetch_factor: int = Field(2, gt=0)
+    dynamic_batching: bool = False
+    max_tokens_per_batch: int = Field(4096, gt=0, description="token budget per micro-batch with dynamic_batching")
+    shuffle: bool = True
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if v.startswith("builtin:"):
+            if v not in BUILTIN_SOURCES:
+                raise ValueError(f"unknown built-in data set: use one of {', '.join(BUILTIN_SOURCES)}")
+            return v
+        problem = check_uri(v)
+        if problem:
+            raise ValueError(problem)
+        if not v.rstrip("/").endswith(".parquet") and not v.endswith("/"):
+            raise ValueError("must be a .parquet file or a folder ending in '/'")
+        return v
+
+    @field_validator("factory")
+    @classmethod
+    def _importable(cls, v: str | None) -> str | None:
+        return v if v is None else check_import_ref(v)
+
+
+class ModelConfig(Strict):
+    name: Literal["mlp", "tiny_gpt"] = "mlp"
+    factory: str | None = Field(None, description="'pkg.module:fn' returning an nn.Module")
+    options: dict[str, Any] = {}
+    loss: Literal["cross_entropy", "mse"] = "cross_entropy"
+    hidden_size: int = Field(128, gt=0)
+    d_model: int = Field(128, gt=0)
+    n_layers: int = Field(2, gt=0)
+    n_heads: int = Field(4, gt=0)
+    max_seq_len: int = Field(256, gt=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+    @field_validator("factory")
+    @classmethod
+    def _importable(cls, v: str | None) -> str | None:
+        return v if v is None else check_import_ref(v)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.name == "tiny_gpt" and self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) is not a multiple of n_heads ({self.n_heads}): change either")
+        return self
+
+
+class FaultToleranceConfig(Strict):
+    max_failures: int = Field(3, ge=-1, description="retries for errors in user code; -1 is unlimited")
+
+
+class JobSpec(Strict):
+    name: str = Field("job", pattern=NAME_PATTERN)
+    training: TrainingConfig = TrainingConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+    train_loop: str | None = Field(None, description="'pkg.module:fn': your own Ray Train loop, our settings")
+
+    @field_validator("train_loop")
+    @classmethod
+    def _importable(cls, v: str | None) -> str | None:
+        return v if v is None else check_import_ref(v)
+
+    @property
+    def data_source(self) -> str:
+        """The data source, defaulting to the built-in set that fits the model."""
+        if self.data.source:
+            return self.data.source
+        return "builtin:text" if self.model.name == "tiny_gpt" else "builtin:digits"
+
+
+def cross_field_problems(spec: JobSpec) -> list[str]:
+    """Rules that span sections, as 'field: value: problem: fix' lines."""
+    problems = []
+    t, d = spec.training, spec.distributed
+    if t.grad_accum_steps is not None and t.micro_batch_size is not None:
+        problems.append(
+            f"training.grad_accum_steps: {t.grad_accum_steps}: set together with micro_batch_size: set one; "
+            "the other is derived from the global batch_size and the world size"
+        )
+    if t.batch_size < d.max_workers:
+        problems.append(
+            f"training.batch_size: {t.batch_size}: smaller than the most workers ({d.max_workers}), "
+            "so some would get no samples: raise batch_size or lower distributed.num_workers"
+        )
+    if spec.data.source in BUILTIN_SOURCES and spec.model.factory is None:
+        wanted = BUILTIN_SOURCES[spec.data.source]
+        if spec.model.name != wanted:
+            problems.append(
+                f"data.source: {spec.data.source}: fits model.name '{wanted}', not '{spec.model.name}': "
+                f"set model.name to '{wanted}' or choose another source"
+            )
+    if spec.data.dynamic_batching and spec.data.max_tokens_per_batch < spec.model.max_seq_len:
+        problems.append(
+            f"data.max_tokens_per_batch: {spec.data.max_tokens_per_batch}: smaller than model.max_seq_len "
+            f"({spec.model.max_seq_len}), so a long sequence fits no batch: raise it"
+        )
+    if spec.model.factory and not (spec.data.factory or (spec.data.source and not spec.data.source.startswith("builtin:"))):
+        problems.append("model.factory: set: needs its own data: set data.factory or a Parquet data.source")
+    return problems
+
+
+# ---------------------------------------------------------------- loading and errors
+
+
+def _nested_models(ann: Any) -> list[type[BaseModel]]:
+    """Every model class inside a (possibly Annotated or union) annotation."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [ann]
+    return [m for arg in typing.get_args(ann) for m in _nested_models(arg)]
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The model class that holds the field at ``loc`` (for listing valid keys)."""
+    model: type[BaseModel] = JobSpec
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        nested = _nested_models(field.annotation) if field else []
+        if not nested:
+            return None
+        model = nested[0]
+    return model
+
+
+FIXES = {
+    "int_type": "use a whole number",
+    "int_parsing": "use a whole number",
+    "int_from_float": "use a whole number",
+    "float_type": "use a number",
+    "float_parsing": "use a number",
+    "bool_type": "use true or false",
+    "bool_parsing": "use true or false",
+    "string_type": "use a string",
+    "greater_than": "use a larger value",
+    "greater_than_equal": "use a larger value",
+    "less_than": "use a smaller value",
+    "less_than_equal": "use a smaller value",
+    "literal_error": "use one of the listed values",
+    "string_pattern_mismatch": "use lowercase letters, digits, '.', '_' or '-', starting with a letter or digit",
+    "model_type": "use a mapping of keys to values",
+    "model_attributes_type": "use a mapping of keys to values",
+    "dict_type": "use a mapping",
+}
+
+
+def format_errors(exc: ValidationError) -> list[str]:
+    """Turn pydantic's errors into ``path: value: problem: fix`` lines."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("int", "range"))))
+        path = ".".join(str(p) for p in loc) or "(top level)"
+        value = err.get("input")
+        shown = json.dumps(value, default=str) if not isinstance(value, dict) or len(str(value)) < 80 else "{...}"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            holder = _model_at(loc)
+            valid = ", ".join(holder.model_fields) if holder else "see the documentation"
+            lines.append(f"{path}: unknown key: valid keys here are {valid}")
+            continue
+        if kind == "missing":
+            lines.append(f"{path}: missing: add it")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        fix = FIXES.get(kind)
+        line = f"{path}: {shown}: {msg}" + (f": {fix}" if fix else "")
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
+def parse_text(text: str, source: str) -> dict:
+    """Parse JSON or YAML text into a mapping; syntax errors name the line and column."""
+    stripped = text.lstrip()
+    if not stripped:
+        raise SpecError([f"{source}: the file is empty: write a job spec (see configs/)"])
+    try:
+        if stripped.startswith("{"):
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError([f"{source}: line {exc.lineno}, column {exc.colno}: {exc.msg}: fix the JSON syntax"]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError([f"{source}: {where}: {problem}: fix the YAML syntax"]) from None
+    if not isinstance(data, dict):
+        raise SpecError([f"{source}: top level is {type(data).__name__}: a job spec is a mapping of sections"])
+    return data
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``key.path=value`` overrides; values are read as YAML (``10``, ``true``, ``{min: 1, max: 2}``)."""
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            problems.append(f"--set {item}: expected key.path=value, e.g. training.max_steps=20")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = node[part] = {}
+            node = child
+        node[parts[-1]] = value
+    if problems:
+        raise SpecError(problems)
+    return data
+
+
+def validate(data: dict) -> JobSpec:
+    """The one way in: field checks, then rules that span sections."""
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(format_errors(exc)) from None
+    problems = cross_field_problems(spec)
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Load, override and validate a spec file; the job name defaults to the file's stem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError([f"{path}: cannot read: {exc.strerror}: check the path"]) from None
+    except UnicodeDecodeError:
+        raise SpecError([f"{path}: not text: a job spec is JSON or YAML"]) from None
+    data = parse_text(text, str(path))
+    if "name" not in data:
+        data["name"] = default_name(path.stem)
+    return validate(apply_overrides(data, overrides or []))
+
+
+def default_name(stem: str) -> str:
+    name = re.sub(r"[^a-z0-9._-]+", "-", stem.lower()).strip("-._") or "job"
+    return name[:63]
+
+
+def batching_summary(global_batch: int, world_size: int, micro_batch_size: int | None,
+                     grad_accum_steps: int | None) -> tuple[int, int, int]:
+    """(per-worker samples, micro-batch size, accumulation steps) for a world size.
+
+    The global batch stays as the spec says; what each worker does follows from it, so a
+    resize changes only these derived numbers, never the optimisation.
+    """
+    per_worker = math.ceil(global_batch / world_size)
+    if micro_batch_size:
+        micro = min(micro_batch_size, per_worker)
+    elif grad_accum_steps:
+        micro = math.ceil(per_worker / grad_accum_steps)
+    else:
+        micro = per_worker
+    return per_worker, micro, math.ceil(per_worker / micro)
