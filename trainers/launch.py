@@ -1,0 +1,176 @@
+"""JobSpec -> TorchTrainer(ScalingConfig, FailureConfig, RunConfig), run it, write the summary.
+
+Layout under the storage root, per job name (same name + root = resume that job)::
+
+    <root>/<name>/summary.json                 the run summary (also printed)
+    <root>/<name>/<checkpoint folder>/         Ray Train's run folder: checkpoint_<step>/ ...
+    <root>/datasets/                           built-in data converted to Parquet on first use
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from cluster.storage import StorageRoot, open_root
+from trainers.config import JobSpec, SpecError
+from trainers.workloads import resolve
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_STOPPED = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the spec means on this cluster: decided once, by a pure function."""
+
+    use_gpu: bool
+    backend: str
+    mixed_precision: str
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_runtime(spec: JobSpec, cluster_gpus: float) -> Runtime:
+    """Fit the spec to the cluster: GPU or not, NCCL or gloo, which autocast; raise what cannot be."""
+    d, notes, problems = spec.distributed, [], []
+    use_gpu = d.use_gpu if d.use_gpu is not None else cluster_gpus > 0
+    if use_gpu and cluster_gpus <= 0:
+        problems.append("distributed.use_gpu: true: the cluster has no GPUs: set it to false or add GPU nodes")
+    backend = d.backend if d.backend != "auto" else ("nccl" if use_gpu else "gloo")
+    if backend == "nccl" and not use_gpu:
+        notes.append("distributed.backend: nccl needs GPUs and none are used here: falling back to gloo")
+        backend = "gloo"
+    precision = spec.training.mixed_precision
+    if precision == "fp16" and not use_gpu:
+        problems.append("training.mixed_precision: fp16: needs a GPU (GradScaler): use bf16 on CPU")
+    if d.master_addr or d.master_port:
+        notes.append(f"distributed.master_addr/master_port ({d.master_addr}:{d.master_port}): "
+                     "handled by Ray's rendezvous; the values are not used")
+    if problems:
+        raise SpecError(problems)
+    return Runtime(use_gpu=use_gpu, backend=backend, mixed_precision=precision, notes=notes)
+
+
+def preflight(spec: JobSpec) -> StorageRoot:
+    """Checks that need the outside world but no Ray: the storage root and user data exist."""
+    root = open_root(spec.checkpoint.storage_root)
+    src = spec.data.source
+    if src and not src.startswith("builtin:"):
+        data_root = open_root(src.rsplit("/", 1)[0] or "/")
+        if not data_root.exists(src.rsplit("/", 1)[1] or "."):
+            raise SpecError([f"data.source: {src!r}: not found: check the path or the bucket"])
+    return root
+
+
+def ensure_ray(num_workers: int) -> bool:
+    """Join the running cluster (RAY_ADDRESS or `ray start`), else start a local Ray on loopback.
+
+    Returns True when this process started Ray (and so must shut it down).
+    """
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address="auto", log_to_driver=True)
+        return False
+    except ConnectionError:
+        pass
+    num_cpus = max(os.cpu_count() or 1, num_workers + 2)
+    # The dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls.
+    ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=True,
+             dashboard_host="127.0.0.1", configure_logging=True, logging_level="WARNING")
+    return True
+
+
+def run_paths(spec: JobSpec, root: StorageRoot) -> tuple[str, str]:
+    """(storage_path, name) for Ray's RunConfig, so checkpoints land in <root>/<job>/<folder>."""
+    folder = posixpath.join(spec.name, spec.checkpoint.run_folder)
+    return root.path(posixpath.dirname(folder)), posixpath.basename(folder)
+
+
+def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: str,
+                  stop_at_step: int | None) -> TorchTrainer:
+    from trainers.loop import train_loop_per_worker
+
+    storage_path, run_name = run_paths(spec, root)
+    d = spec.distributed
+    num_workers = d.num_workers if isinstance(d.num_workers, int) else (d.num_workers.min, d.num_workers.max)
+    loop = train_loop_per_worker
+    if spec.train_loop:
+        from trainers.workloads.custom import load_ref
+
+        loop = load_ref(spec.train_loop)
+    return TorchTrainer(
+        loop,
+        train_loop_config={
+            "spec": spec.model_dump(mode="json"), "data_uri": data_uri, "storage_uri": root.uri,
+            "run_path": posixpath.join(storage_path, run_name), "stop_at_step": stop_at_step,
+            "use_gpu": runtime.use_gpu, "mixed_precision": runtime.mixed_precision,
+        },
+        torch_config=TorchConfig(backend=runtime.backend, timeout_s=d.timeout_s),
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=runtime.use_gpu,
+                                     resources_per_worker=d.resources_per_worker),
+        run_config=RunConfig(
+            name=run_name, storage_path=storage_path, storage_filesystem=root.fs,
+            failure_config=FailureConfig(max_failures=spec.fault_tolerance.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.num_to_keep),
+            logging_config=LoggingConfig(log_level="WARNING"),  # our loop prints progress itself
+            # Ray would also log every print() of a worker, doubling each progress line.
+            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+        ),
+    )
+
+
+def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print) -> tuple[int, dict]:
+    """Run a job to its target (or ``stop_at_step``); return (exit code, summary)."""
+    started = time.time()
+    root = preflight(spec)
+    started_ray = ensure_ray(spec.distributed.max_workers)
+    try:
+        runtime = resolve_runtime(spec, ray.cluster_resources().get("GPU", 0))
+        for note in runtime.notes:
+            say(f"[etrain] note: {note}")
+        data_uri = resolve(spec).prepare(spec, root)
+        say(f"[etrain] job {spec.name!r}: storage {root.uri_of(spec.name)}, data {data_uri or spec.data.factory}")
+        error = None
+        try:
+            result = build_trainer(spec, root, runtime, data_uri, stop_at_step).fit()
+            metrics, checkpoint_uri = dict(result.metrics or {}), result.checkpoint and result.checkpoint.path
+            error = result.error
+        except Exception as exc:  # boundary: the run failed; record why, exit non-zero
+            metrics, checkpoint_uri, error = {}, None, exc
+        summary = make_summary(spec, root, metrics, checkpoint_uri, error, time.time() - started)
+        root.write_json(summary, spec.name, "summary.json")
+    finally:
+        if started_ray:
+            ray.shutdown()
+    if summary["status"] == "succeeded":
+        return EXIT_OK, summary
+    return (EXIT_STOPPED if summary["status"] == "stopped" else EXIT_FAILED), summary
+
+
+def make_summary(spec: JobSpec, root: StorageRoot, metrics: dict, checkpoint_path: str | None,
+                 error: BaseException | None, wall_time_s: float) -> dict:
+    target = metrics.get("target_step", spec.training.max_steps)
+    final = metrics.get("step")
+    if error is not None:
+        status = "failed"
+    elif target is not None and final is not None and final < target:
+        status = "stopped"
+    else:
+        status = "succeeded"
+    checkpoint_uri = None
+    if checkpoint_path:
+        checkpoint_uri = root.uri_of(checkpoint_path[len(root.base) + 1:]) if checkpoint_path.startswith(root.base) else checkpoint_path
+    return {
+        "name": spec.name, "status": status, "final_step": final, "target_step": target,
+        "global_batch_size": spec.training.batch_size, "world_size": metrics.get("world_size"),
+        "samples_per_s": metrics.get("steady_samples_per_s"), "final_loss": metrics.get("loss"),
+        "train_seconds": metrics.get("train_seconds"), "wall_time_s": round(wall_time_s, 2),
+        "checkpoint_uri": checkpoint_uri, "storage": root.uri_of(spec.name),
+        "interruptions": [], "error": None if error is None else f"{type(error).__name__}: {error}",
+    }

@@ -1,0 +1,245 @@
+"""The one per-worker training loop: data -> DDP step -> report/checkpoint.
+
+It talks to Ray only through ``ray.train.get_context / report`` (and Ray Train's
+``prepare_model``). Everything it needs arrives in ``config`` from the launcher:
+
+- ``spec``: the validated job spec (as a dict),
+- ``data_uri``: where the workload's Parquet data is,
+- ``storage_uri`` / ``run_path``: the storage root and the run folder holding checkpoints,
+- ``stop_at_step``: stop early (with a checkpoint), leaving the job resumable,
+- ``use_gpu``, ``mixed_precision``: the runtime the launcher resolved.
+
+The loss of every micro-batch is a SUM over its samples, scaled by world_size / global
+samples of the step; DDP averages gradients over ranks, so the update is the exact mean
+over the global batch whatever the world size or the split into micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import tempfile
+import time
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from ray.train import Checkpoint, CheckpointUploadMode
+
+from cluster.storage import open_root
+from trainers import checkpoint as ckpt
+from trainers.config import JobSpec, batching_summary
+from trainers.data import BatchPlan, PlanSampler, StepMicroBatches, make_loader
+from trainers.workloads import resolve
+
+
+def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
+    t = spec.training
+    if t.optimizer == "SGD":
+        return torch.optim.SGD(params, lr=t.learning_rate, momentum=t.momentum, weight_decay=t.weight_decay)
+    cls = torch.optim.AdamW if t.optimizer == "AdamW" else torch.optim.Adam
+    return cls(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float, kind: str) -> float:
+    """Multiplier on the base learning rate at ``step``: constant, or linear warmup then cosine."""
+    if kind == "constant":
+        return 1.0
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def target_step(spec: JobSpec, steps_per_epoch: int) -> int:
+    return spec.training.max_steps or spec.training.epochs * steps_per_epoch
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """RNG seed of one step on one rank: randomness (dropout) is a function of where we are,
+    so nothing random needs saving and a resumed run draws what an unbroken one would."""
+    return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+def train_loop_per_worker(config: dict) -> None:
+    spec = JobSpec.model_validate(config["spec"])
+    t, d = spec.training, spec.distributed
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    root = open_root(config["storage_uri"])
+    run_path = config["run_path"]
+
+    workload = resolve(spec)
+    dataset = workload.dataset(spec, config["data_uri"])
+    lengths = getattr(dataset, "lengths", None)
+    plan = BatchPlan(len(dataset), t.batch_size, t.seed, spec.data.shuffle,
+                     lengths=lengths if spec.data.dynamic_batching else None, min_batch=d.max_workers)
+    target = target_step(spec, plan.steps_per_epoch)
+    stop = min(target, config.get("stop_at_step") or target)
+
+    torch.manual_seed(t.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
+    model = workload.build_model(spec)
+    optimizer = build_optimizer(spec, model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+        s, target, t.lr_schedule.warmup_steps, t.lr_schedule.min_lr_ratio, t.lr_schedule.kind))
+    fp16 = config["mixed_precision"] == "fp16"
+    scaler = torch.amp.GradScaler("cuda", enabled=fp16)
+
+    # Restore: rank 0 picks the newest verified checkpoint, every rank loads that one.
+    choice = [None]
+    if rank == 0:
+        chosen, skipped = ckpt.find_restore(root.fs, run_path)
+        for c in skipped:
+            print(f"[etrain] skipping checkpoint {root.uri_of(c.path[len(root.base) + 1:])}: {c.problem}", flush=True)
+        choice = [chosen.path if chosen else None]
+    if world > 1:
+        dist.broadcast_object_list(choice, src=0)
+    start = 0
+    if choice[0]:
+        state = ckpt.load_state(root.fs, choice[0])
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        start = state["step"]
+        if rank == 0:
+            print(f"[etrain] resumed from step {start} (saved at world size {state['world_size']}, "
+                  f"now {world}; cursor {state['cursor']})", flush=True)
+
+    ddp_kwargs = {"find_unused_parameters": d.find_unused_parameters,
+                  "gradient_as_bucket_view": d.gradient_as_bucket_view, "static_graph": d.static_graph}
+    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs if world > 1 else None)
+    if t.compile:
+        model = torch.compile(model)
+    # Optimizer state was loaded on CPU tensors; move it where the parameters now live.
+    for st in optimizer.state.values():
+        for k, v in st.items():
+            if torch.is_tensor(v) and k != "step":
+                st[k] = v.to(device)
+
+    per_worker, micro, accum = batching_summary(t.batch_size, world, t.micro_batch_size, t.grad_accum_steps)
+    steps = StepMicroBatches(plan, rank, world, micro, spec.data.max_tokens_per_batch if spec.data.dynamic_batching else None)
+    loader = make_loader(dataset, PlanSampler(steps, start, stop), spec.data.num_workers, spec.data.prefetch_factor)
+    if rank == 0:
+        print(f"[etrain] {spec.name}: world size {world}, global batch {t.batch_size} = {per_worker}/worker "
+              f"(micro-batch {micro} x {accum} accumulation{', dynamic by tokens' if spec.data.dynamic_batching else ''}); "
+              f"steps {start} -> {stop} of {target}, {plan.steps_per_epoch} per epoch", flush=True)
+
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config["mixed_precision"])
+    autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
+    upload_mode = CheckpointUploadMode.ASYNC if spec.checkpoint.upload == "async" else CheckpointUploadMode.SYNC
+    log_every, ckpt_every = t.log_interval_steps, spec.checkpoint.interval
+    window = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, samples, tokens (this rank)
+    window_start = time.perf_counter()
+    run_start, steady_start, steady_samples = window_start, None, 0
+    batches = iter(loader)
+    model.train()
+
+    for step in range(start, stop):
+        torch.manual_seed(step_seed(t.seed, step, rank))
+        shares = steps.at(step)
+        global_samples = len(plan.global_batch_at(step))
+        scale = world / global_samples
+        for i in range(len(shares)):
+            batch = _to_device(next(batches), device)
+            sync = contextlib.nullcontext() if (i == len(shares) - 1 or world == 1) else model.no_sync()
+            with sync:
+                with autocast():
+                    loss_sum, n, tokens = workload.loss_sum(model, batch)
+                scaler.scale(loss_sum * scale).backward()
+            window[0] += loss_sum.detach().double()
+            window[1] += n
+            window[2] += tokens
+        if t.grad_clip_norm:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        if steady_start is None:
+            steady_start = time.perf_counter()  # the first step pays for warm-up; measure after it
+        else:
+            steady_samples += global_samples
+
+        is_ckpt = done % ckpt_every == 0 or done == stop
+        if not (is_ckpt or done % log_every == 0):
+            continue
+        if world > 1:
+            dist.all_reduce(window)
+        now = time.perf_counter()
+        loss_total, samples, tokens = window.tolist()
+        elapsed = now - window_start
+        steady_s = now - steady_start
+        metrics = {
+            "step": done, "target_step": target, "epoch": plan.cursor(done).epoch,
+            "loss": loss_total / max(samples, 1), "learning_rate": scheduler.get_last_lr()[0],
+            "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed,
+            "steady_samples_per_s": steady_samples / steady_s if steady_s > 0 and steady_samples else samples / elapsed,
+            "world_size": world, "global_batch_size": t.batch_size, "micro_batch_size": micro,
+            "grad_accum_steps": accum, "train_seconds": now - run_start,
+        }
+        window.zero_()
+        window_start = now
+        if rank == 0:
+            eta = (target - done) / max(1e-9, (done - start) / (now - run_start))
+            print(f"[etrain] step {done}/{target} ({100 * done / target:.0f}%) loss {metrics['loss']:.4f} "
+                  f"lr {metrics['learning_rate']:.2e} {metrics['samples_per_s']:.0f} samples/s"
+                  + (f" {metrics['tokens_per_s']:.0f} tokens/s" if tokens else "")
+                  + f" eta {_hms(eta)}", flush=True)
+        if not is_ckpt:
+            continue
+        in_sync = params_in_sync(model, world)
+        metrics["params_in_sync"] = in_sync
+        if not in_sync:
+            raise RuntimeError(
+                f"step {done}: DDP replicas hold different parameters (the guide's 'parameters out of sync'): "
+                "check that every worker runs the same model code and that nothing changes parameters "
+                "outside the optimizer step; WORLD_SIZE and RANK are set by Ray, do not set them yourself")
+        # Only checkpoints go through ray.train.report: it is a barrier on every rank and Ray's
+        # controller drains one report per poll (about 2 s), so reporting more often stalls training.
+        checkpoint = None
+        if rank == 0:
+            directory = tempfile.mkdtemp(prefix="etrain-ckpt-")  # outlives report() for async upload
+            state = {
+                "format": ckpt.FORMAT_VERSION, "step": done, "cursor": vars(plan.cursor(done)),
+                "model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                "world_size": world, "global_batch_size": t.batch_size,
+                "rng": {"scheme": "torch.manual_seed(step_seed(seed, step, rank)) each step", "seed": t.seed},
+                "metrics": metrics,
+            }
+            ckpt.write_local(directory, state, spec.checkpoint.file_name(done))
+            checkpoint = Checkpoint.from_directory(directory)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
+                         checkpoint_upload_mode=upload_mode)
+
+
+def params_in_sync(model: torch.nn.Module, world: int) -> bool:
+    """Whether every rank holds the same parameters: compare a float64 checksum across ranks."""
+    if world == 1:
+        return True
+    with torch.no_grad():
+        total = sum(p.double().sum() * (i + 1) for i, p in enumerate(_unwrap(model).parameters()))
+    both = torch.stack([total, -total]).reshape(2)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return bool(both[0] == -both[1])
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    return getattr(model, "module", model)  # DDP
+
+
+def _to_device(batch, device: torch.device):
+    if isinstance(batch, dict):
+        return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return batch
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -1,0 +1,54 @@
+"""Classification of scikit-learn's handwritten digits (1,797 8x8 images, shipped in the package)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from cluster.storage import StorageRoot
+from trainers.config import JobSpec
+from trainers.data import FeatureDataset, read_table
+
+DATASET_FILE = "datasets/digits-v1.parquet"
+
+
+def digits_table() -> pa.Table:
+    """The digits as a table: 64 features scaled to [0, 1] and an integer label."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    features = (bunch.data / 16.0).astype(np.float32)
+    return pa.table({"features": list(features), "label": bunch.target.astype(np.int64)})
+
+
+def write_parquet(table: pa.Table, root: StorageRoot, rel: str) -> None:
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    root.write_bytes(buf.getvalue(), rel)
+
+
+class Digits:
+    def prepare(self, spec: JobSpec, root: StorageRoot) -> str:
+        if spec.data.source and not spec.data.source.startswith("builtin:"):
+            return spec.data.source
+        if not root.exists(DATASET_FILE):
+            write_parquet(digits_table(), root, DATASET_FILE)
+        return root.uri_of(DATASET_FILE)
+
+    def dataset(self, spec: JobSpec, data_uri: str) -> FeatureDataset:
+        return FeatureDataset(read_table(data_uri))
+
+    def build_model(self, spec: JobSpec) -> nn.Module:
+        h = spec.model.hidden_size
+        return nn.Sequential(nn.Linear(64, h), nn.ReLU(), nn.Dropout(spec.model.dropout), nn.Linear(h, 10))
+
+    def loss_sum(self, model: nn.Module, batch) -> tuple[torch.Tensor, int, int]:
+        logits = model(batch["x"])
+        n = batch["y"].shape[0]
+        return F.cross_entropy(logits.float(), batch["y"], reduction="sum"), n, 0
