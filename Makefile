@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each bootstraps .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# A CPU wheel of this torch lies on the CI machines' disk; elsewhere pip fetches it. Override
+# for a GPU box: make TORCH_SPEC='torch==2.13.0 --index-url ...' test
+TORCH_SPEC ?= torch==2.13.0
+PYTEST := $(PY) -m pytest
+
+.PHONY: demo test test-fast test-ray bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/etrain demo
+
+# The whole suite: unit (no Ray), integration (a local Ray), e2e.
+test: $(STAMP)
+	$(PYTEST) tests -q --durations=15
+
+# The fast tier for your own loop: no Ray is started, under a minute.
+test-fast: $(STAMP)
+	$(PYTEST) tests/unit -q
+
+test-ray: $(STAMP)
+	$(PYTEST) tests/integration -q
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

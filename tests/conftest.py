@@ -1,0 +1,58 @@
+"""Shared fixtures. Ray-using tests get one local Ray per session, bound to loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "fixtures"))  # user-code packages the specs import
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Path:
+    root = tmp_path / "storage"
+    return root
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on loopback; AWS settings point at it for this process and its Ray."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env["AWS_ENDPOINT_URL"]
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def ray_local(s3_server):
+    """One local Ray for the session (started after the S3 settings so workers inherit them)."""
+    import ray
+
+    ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
+             configure_logging=True, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])}})
+    yield ray
+    ray.shutdown()

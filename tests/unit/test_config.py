@@ -1,0 +1,160 @@
+"""The job spec: the guide's template loads; every bad spec fails with its field path, plainly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainers.config import SpecError, batching_summary, load_spec, validate
+
+REPO = Path(__file__).resolve().parents[2]
+GUIDE = REPO / "configs" / "deployment-guide.json"
+
+
+def test_guide_template_loads_unchanged():
+    spec = load_spec(GUIDE)
+    assert spec.name == "deployment-guide"
+    assert (spec.training.batch_size, spec.training.learning_rate, spec.training.epochs) == (256, 5e-5, 10)
+    assert spec.training.optimizer == "AdamW"
+    assert spec.distributed.backend == "nccl" and spec.distributed.master_port == 29500
+    assert spec.checkpoint.interval == 1000
+    assert spec.checkpoint.run_folder == "checkpoints"
+    assert spec.checkpoint.file_name(1000) == "model_1000.pt"
+
+
+def test_all_example_configs_load():
+    for path in sorted((REPO / "configs").glob("*")):
+        load_spec(path)
+
+
+def test_yaml_and_overrides(tmp_path):
+    p = tmp_path / "My Job.yaml"
+    p.write_text("training:\n  batch_size: 32\n")
+    spec = load_spec(p, ["training.max_steps=7", "distributed.num_workers={min: 1, max: 2}", "data.shuffle=false"])
+    assert spec.name == "my-job"
+    assert spec.training.max_steps == 7 and spec.data.shuffle is False
+    assert (spec.distributed.min_workers, spec.distributed.max_workers) == (1, 2)
+
+
+BAD_SPECS = [
+    ({"training": {"batch_size": "lots"}}, "training.batch_size", "whole number"),
+    ({"training": {"batch_size": -4}}, "training.batch_size", "greater than 0"),
+    ({"training": {"learning_rate": 0}}, "training.learning_rate", "greater than 0"),
+    ({"training": {"optimizer": "Lion"}}, "training.optimizer", "'AdamW', 'Adam' or 'SGD'"),
+    ({"training": {"batch_sise": 8}}, "training.batch_sise", "valid keys here are batch_size"),
+    ({"trainng": {}}, "trainng", "valid keys here are name, training"),
+    ({"distributed": {"num_workers": {"min": 4, "max": 2}}}, "distributed.num_workers", "min (4) is greater than max (2)"),
+    ({"distributed": {"num_workers": 0}}, "distributed.num_workers", "positive integer"),
+    ({"distributed": {"backend": "mpi"}}, "distributed.backend", "'auto', 'nccl' or 'gloo'"),
+    ({"distributed": {"master_port": 70000}}, "distributed.master_port", "less than or equal to 65535"),
+    ({"checkpoint": {"path": "../../etc/model_{step}.pt"}}, "checkpoint.path", "escapes the job's folder"),
+    ({"checkpoint": {"path": "s3://b/model.pt"}}, "checkpoint.path", "checkpoint.storage_root"),
+    ({"checkpoint": {"path": "model_{epoch}.pt"}}, "checkpoint.path", "only the {step} placeholder"),
+    ({"checkpoint": {"storage_root": "ftp://host/x"}}, "checkpoint.storage_root", "scheme 'ftp'"),
+    ({"checkpoint": {"storage_root": "s3://"}}, "checkpoint.storage_root", "needs a bucket"),
+    ({"checkpoint": {"interval": 0}}, "checkpoint.interval", "greater than 0"),
+    ({"data": {"source": "builtin:imagenet"}}, "data.source", "unknown built-in data set"),
+    ({"data": {"source": "/data/train.csv"}}, "data.source", ".parquet"),
+    ({"model": {"factory": "no_such_pkg.models:build"}}, "model.factory", "cannot import module 'no_such_pkg.models'"),
+    ({"model": {"factory": "json:no_such_fn"}}, "model.factory", "no callable 'no_such_fn'"),
+    ({"model": {"factory": "not a ref"}}, "model.factory", "package.module:function"),
+    ({"train_loop": "nowhere:fn"}, "train_loop", "cannot import module 'nowhere'"),
+    ({"name": "Has Spaces"}, "name", "lowercase letters"),
+    ({"training": {"batch_size": 2}, "distributed": {"num_workers": 4}}, "training.batch_size", "smaller than the most workers"),
+    ({"training": {"grad_accum_steps": 2, "micro_batch_size": 4}}, "training.grad_accum_steps", "set one"),
+    ({"model": {"name": "mlp"}, "data": {"source": "builtin:text"}}, "data.source", "fits model.name 'tiny_gpt'"),
+    ({"model": {"name": "tiny_gpt", "d_model": 100, "n_heads": 3}}, "model", "not a multiple of n_heads"),
+]
+
+
+@pytest.mark.parametrize("data,path,message", BAD_SPECS, ids=[b[1] + ":" + b[2][:20] for b in BAD_SPECS])
+def test_bad_spec_names_field_and_fix(data, path, message):
+    with pytest.raises(SpecError) as info:
+        validate(data)
+    hits = [p for p in info.value.problems if p.startswith(path + ":") and message in p]
+    assert hits, info.value.problems
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(SpecError) as info:
+        validate({"training": {"batch_size": 0, "epochs": -1, "optimizer": "x"}, "bogus": 1})
+    assert len(info.value.problems) == 4
+
+
+@pytest.mark.parametrize("text,where", [
+    ('{"training": {"batch_size": 256,\n  "epochs": ', "line 2"),
+    ("training:\n  batch_size: [1, 2\n", "line 3"),
+    ("", "empty"),
+    ("- just\n- a list\n", "top level is list"),
+])
+def test_broken_files_name_the_line(tmp_path, text, where):
+    p = tmp_path / "spec.yaml"
+    p.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_spec(p)
+    assert where in info.value.problems[0]
+
+
+def test_bad_override_is_reported(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("{}")
+    with pytest.raises(SpecError) as info:
+        load_spec(p, ["training.max_steps"])
+    assert "expected key.path=value" in info.value.problems[0]
+    with pytest.raises(SpecError) as info:
+        load_spec(p, ["training.max_stepz=3"])
+    assert info.value.problems[0].startswith("training.max_stepz: unknown key")
+
+
+@pytest.mark.parametrize("data", [
+    {"training": {"optimizer": "Lion"}},
+    {"checkpoint": {"path": "../escape_{step}.pt"}},
+    {"data": {"factory": "missing_mod:make"}},
+])
+def test_cli_rejects_without_traceback_ray_or_storage(tmp_path, data):
+    root = tmp_path / "root"
+    data = {**data, "checkpoint": {**data.get("checkpoint", {}), "storage_root": str(root)}}
+    spec = tmp_path / "bad.json"
+    spec.write_text(json.dumps(data))
+    probe = ("import sys; from trainers.cli import main; code = main(['run', sys.argv[1]]); "
+             "print('ray imported:', 'ray' in sys.modules); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "invalid job spec" in proc.stderr
+    assert "ray imported: False" in proc.stdout, "a bad spec must be refused before Ray is even imported"
+    assert not root.exists(), "nothing may be written for a bad spec"
+
+
+def test_truncated_file_via_cli(tmp_path):
+    spec = tmp_path / "cut.json"
+    spec.write_text(GUIDE.read_text()[:120])
+    proc = subprocess.run([sys.executable, "-m", "trainers.train", str(spec)], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "line" in proc.stderr and "fix the JSON syntax" in proc.stderr
+
+
+def test_help_teaches():
+    proc = subprocess.run([sys.executable, "-m", "trainers.cli", "run", "--help"], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)
+    assert proc.returncode == 0
+    assert "--stop-at-step" in proc.stdout and "resumes" in proc.stdout
+
+
+@pytest.mark.parametrize("world,micro,accum,expected", [
+    (2, None, None, (128, 128, 1)),
+    (4, None, None, (64, 64, 1)),
+    (3, None, None, (86, 86, 1)),
+    (2, 32, None, (128, 32, 4)),
+    (1, 32, None, (256, 32, 8)),
+    (2, None, 4, (128, 32, 4)),
+    (8, 64, None, (32, 32, 1)),
+])
+def test_batching_follows_from_global_batch(world, micro, accum, expected):
+    assert batching_summary(256, world, micro, accum) == expected

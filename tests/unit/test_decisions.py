@@ -1,0 +1,67 @@
+"""Small pure decisions: learning-rate schedule, runtime resolution, storage URIs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cluster.storage import check_uri, open_root
+from trainers.config import SpecError, validate
+from trainers.launch import resolve_runtime, run_paths
+from trainers.loop import lr_factor, step_seed
+
+
+@pytest.mark.parametrize("step,expected", [(0, 0.1), (9, 1.0), (10, 1.0), (55, 0.55), (100, 0.1)])
+def test_warmup_cosine(step, expected):
+    assert math.isclose(lr_factor(step, 100, 10, 0.1, "warmup_cosine"), expected, abs_tol=1e-9)
+
+
+def test_constant_schedule():
+    assert lr_factor(50, 100, 10, 0.1, "constant") == 1.0
+
+
+def test_step_seeds_differ_by_rank_and_step():
+    seeds = {step_seed(0, s, r) for s in range(100) for r in range(8)}
+    assert len(seeds) == 800
+
+
+@pytest.mark.parametrize("dist,precision,gpus,use_gpu,backend,note", [
+    ({"backend": "nccl"}, "none", 0, False, "gloo", "falling back to gloo"),
+    ({"backend": "auto"}, "none", 0, False, "gloo", None),
+    ({"backend": "auto"}, "bf16", 8, True, "nccl", None),
+    ({"backend": "gloo", "use_gpu": True}, "none", 1, True, "gloo", None),
+    ({"master_addr": "10.0.0.1", "master_port": 29500}, "none", 0, False, "gloo", "Ray's rendezvous"),
+])
+def test_resolve_runtime(dist, precision, gpus, use_gpu, backend, note):
+    spec = validate({"distributed": dist, "training": {"mixed_precision": precision}})
+    rt = resolve_runtime(spec, gpus)
+    assert (rt.use_gpu, rt.backend, rt.mixed_precision) == (use_gpu, backend, precision)
+    assert (note is None and not rt.notes) or any(note in n for n in rt.notes)
+
+
+@pytest.mark.parametrize("dist,precision,message", [
+    ({"use_gpu": True}, "none", "distributed.use_gpu: true: the cluster has no GPUs"),
+    ({}, "fp16", "training.mixed_precision: fp16: needs a GPU"),
+])
+def test_runtime_refusals_name_the_field(dist, precision, message):
+    spec = validate({"distributed": dist, "training": {"mixed_precision": precision}})
+    with pytest.raises(SpecError) as info:
+        resolve_runtime(spec, 0)
+    assert message in info.value.problems[0]
+
+
+@pytest.mark.parametrize("uri,ok", [("/tmp/x", True), ("file:///tmp/x", True), ("s3://bucket/p", True),
+                                    ("s3://b", False), ("gs://b/x", False), ("", False)])
+def test_check_uri(uri, ok):
+    assert (check_uri(uri) is None) == ok
+
+
+def test_local_root_roundtrip_and_run_paths(tmp_path):
+    root = open_root(str(tmp_path / "r"))
+    root.write_json({"a": 1}, "job", "summary.json")
+    assert root.read_json("job", "summary.json") == {"a": 1}
+    assert root.list_dirs() == ["job"]
+    spec = validate({"name": "j", "checkpoint": {"path": "/ckpts/nested/model_{step}.pt", "storage_root": str(tmp_path)}})
+    storage_path, name = run_paths(spec, open_root(str(tmp_path)))
+    assert (storage_path, name) == (f"{tmp_path}/j/ckpts", "nested")
