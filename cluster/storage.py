@@ -125,3 +125,75 @@ def open_root(uri: str) -> StorageRoot:
     local = parsed.path if parsed.scheme == "file" else uri
     base = str(Path(local).expanduser().resolve())
     return StorageRoot(uri=base, fs=pafs.LocalFileSystem(), base=base)
+
+
+# ---------------------------------------------------------------- bucket set-up (etrain storage init)
+
+ABORT_MULTIPART_DAYS = 1
+NONCURRENT_VERSION_DAYS = 30
+
+
+class StorageInitError(Exception):
+    """A bucket that cannot be used as it is; the message says what to do."""
+
+
+def init_s3(uri: str, kms_key_id: str | None = None, create: bool = True, client=None) -> list[str]:
+    """Create or check a bucket for checkpoints: encryption, versioning, multipart clean-up.
+
+    Default encryption is SSE-S3 (AES-256, the guide's "encrypt training data") or SSE-KMS
+    with ``kms_key_id``; versioning keeps an overwritten checkpoint recoverable; a lifecycle
+    rule aborts multipart uploads that a killed writer left behind and expires old versions.
+    Returns one line per thing done or found.
+    """
+    import boto3
+    from botocore.exceptions import ClientError, NoCredentialsError
+
+    parsed = urlparse(uri)
+    problem = check_uri(uri)
+    if parsed.scheme != "s3" or problem:
+        raise StorageInitError(f"{uri}: {problem or 'not an s3:// URI'}: storage init sets up S3 buckets only")
+    bucket = parsed.netloc
+    s3 = client or boto3.client("s3")
+    region = s3.meta.region_name or "us-east-1"
+    done: list[str] = []
+    try:
+        head = s3.head_bucket(Bucket=bucket)
+        actual = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
+        if actual and actual != region:
+            raise StorageInitError(
+                f"bucket {bucket} is in region {actual} but your AWS settings say {region}: "
+                f"set AWS_REGION={actual}")
+        done.append(f"bucket {bucket} exists ({region})")
+    except NoCredentialsError:
+        raise StorageInitError("no AWS credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                               "a profile, or an instance role") from None
+    except ClientError as exc:
+        code = exc.response.get("Error", {}).get("Code", "")
+        if code in ("404", "NoSuchBucket", "NotFound"):
+            if not create:
+                raise StorageInitError(f"bucket {bucket} does not exist: create it, or drop --no-create") from None
+            kwargs = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+            s3.create_bucket(Bucket=bucket, **kwargs)
+            done.append(f"created bucket {bucket} in {region}")
+        elif code in ("403", "AccessDenied", "Forbidden"):
+            raise StorageInitError(
+                f"no permission to use bucket {bucket}: grant s3:ListBucket, s3:GetObject, s3:PutObject, "
+                "s3:DeleteObject and s3:PutBucket* to this role, or pick a bucket you own") from None
+        elif code in ("301", "PermanentRedirect"):
+            raise StorageInitError(f"bucket {bucket} is in another region than {region}: set AWS_REGION") from None
+        else:
+            raise StorageInitError(f"bucket {bucket}: {code or exc}") from None
+    rule = {"SSEAlgorithm": "aws:kms", "KMSMasterKeyID": kms_key_id} if kms_key_id else {"SSEAlgorithm": "AES256"}
+    s3.put_bucket_encryption(Bucket=bucket, ServerSideEncryptionConfiguration={
+        "Rules": [{"ApplyServerSideEncryptionByDefault": rule, "BucketKeyEnabled": bool(kms_key_id)}]})
+    done.append(f"default encryption: {rule['SSEAlgorithm']}" + (f" (key {kms_key_id})" if kms_key_id else ""))
+    s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    done.append("versioning: enabled")
+    s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [{
+        "ID": "etrain-cleanup", "Status": "Enabled", "Filter": {"Prefix": ""},
+        "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": ABORT_MULTIPART_DAYS},
+        "NoncurrentVersionExpiration": {"NoncurrentDays": NONCURRENT_VERSION_DAYS},
+    }]})
+    done.append(f"lifecycle: abort incomplete multipart uploads after {ABORT_MULTIPART_DAYS} day, "
+                f"expire old versions after {NONCURRENT_VERSION_DAYS} days")
+    return done

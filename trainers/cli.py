@@ -69,6 +69,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return cmd_run(argparse.Namespace(spec=str(spec), overrides=args.overrides, stop_at_step=None, json=False))
 
 
+def cmd_storage_init(args: argparse.Namespace) -> int:
+    from cluster.storage import StorageInitError, init_s3
+
+    try:
+        for line in init_s3(args.uri, kms_key_id=args.kms_key_id, create=not args.no_create):
+            print(f"[etrain] {line}")
+    except StorageInitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"[etrain] {args.uri} is ready: use it as checkpoint.storage_root")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="etrain", description="Elastic, spot-tolerant PyTorch DDP training on Ray.",
@@ -81,6 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the quickstart job locally and say where its checkpoints went")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     demo.set_defaults(fn=cmd_demo)
+    storage = sub.add_parser("storage", help="set up object storage for checkpoints")
+    storage_sub = storage.add_subparsers(dest="storage_command", required=True)
+    init = storage_sub.add_parser(
+        "init", help="create or check an S3 bucket: AES-256 (or KMS) encryption, versioning, multipart clean-up",
+        description="Credentials and region come from the standard AWS settings; AWS_ENDPOINT_URL "
+                    "points at an S3-compatible server.")
+    init.add_argument("uri", help="s3://bucket[/prefix]")
+    init.add_argument("--kms-key-id", help="encrypt with this KMS key (aws:kms) instead of SSE-S3 AES-256")
+    init.add_argument("--no-create", action="store_true", help="fail if the bucket does not exist")
+    init.set_defaults(fn=cmd_storage_init)
     args = parser.parse_args(argv)
     return args.fn(args)
 
