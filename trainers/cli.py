@@ -82,6 +82,22 @@ def cmd_storage_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spot_watch(args: argparse.Namespace) -> int:
+    from cluster.spot import IMDS, drain_node, watch
+
+    def drain(notice) -> bool:
+        proc = drain_node(args.address, args.node_id, notice)
+        if proc.returncode != 0:
+            print(f"[spot-watch] ray drain-node failed: {proc.stderr.strip()[-500:]}", file=sys.stderr)
+        return proc.returncode == 0
+
+    print(f"[spot-watch] watching {args.imds_url} every {args.interval_s}s", flush=True)
+    notice = watch(IMDS(args.imds_url), drain, interval_s=args.interval_s, on_rebalance=args.on_rebalance,
+                   rebalance_deadline_s=args.rebalance_deadline_s, sigterm_deadline_s=args.sigterm_deadline_s,
+                   say=lambda m: print(m, flush=True))
+    return 0 if notice else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="etrain", description="Elastic, spot-tolerant PyTorch DDP training on Ray.",
@@ -104,6 +120,20 @@ def main(argv: list[str] | None = None) -> int:
     init.add_argument("--kms-key-id", help="encrypt with this KMS key (aws:kms) instead of SSE-S3 AES-256")
     init.add_argument("--no-create", action="store_true", help="fail if the bucket does not exist")
     init.set_defaults(fn=cmd_storage_init)
+    spot = sub.add_parser(
+        "spot-watch", help="per-node daemon: turn spot interruption notices (and SIGTERM) into a Ray node drain",
+        description="Polls the AWS instance metadata service (IMDSv2) for spot/instance-action and the "
+                    "rebalance recommendation; on a notice, drains this Ray node with reason PREEMPTION and "
+                    "the notice's deadline, so training takes a just-in-time checkpoint and moves on.")
+    spot.add_argument("--address", help="Ray cluster address (default: the node's own)")
+    spot.add_argument("--node-id", help="Ray node id to drain (default: this node)")
+    spot.add_argument("--imds-url", default="http://169.254.169.254", help="metadata endpoint (tests use a local one)")
+    spot.add_argument("--interval-s", type=float, default=5.0, help="poll interval in seconds (default 5)")
+    spot.add_argument("--on-rebalance", choices=["drain", "ignore"], default="drain",
+                      help="what a rebalance recommendation does (default: drain early)")
+    spot.add_argument("--rebalance-deadline-s", type=int, default=120, help="drain deadline for a rebalance")
+    spot.add_argument("--sigterm-deadline-s", type=int, default=25, help="drain deadline after SIGTERM")
+    spot.set_defaults(fn=cmd_spot_watch)
     args = parser.parse_args(argv)
     return args.fn(args)
 

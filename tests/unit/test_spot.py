@@ -1,0 +1,132 @@
+"""The spot watcher against a local IMDSv2 server (the only fake: the cloud's endpoint)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from cluster.spot import IMDS, Notice, decide, parse_instance_action, watch
+
+NOW = datetime(2026, 11, 30, 10, 0, 0, tzinfo=timezone.utc)
+
+
+class FakeIMDS:
+    """IMDSv2 on 127.0.0.1: a token by PUT, documents only with that token, 404 when no notice."""
+
+    def __init__(self):
+        self.documents: dict[str, str] = {}
+        self.token_requests = 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_PUT(self):
+                if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+                    fake.token_requests += 1
+                    self._send(200, "tok-123")
+                else:
+                    self._send(400, "")
+
+            def do_GET(self):
+                if self.headers.get("X-aws-ec2-metadata-token") != "tok-123":
+                    return self._send(401, "")
+                body = fake.documents.get(self.path)
+                self._send(200, body) if body is not None else self._send(404, "")
+
+            def _send(self, code, body):
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def imds():
+    fake = FakeIMDS()
+    yield fake
+    fake.close()
+
+
+def action(seconds_from_now: int) -> str:
+    when = (NOW + timedelta(seconds=seconds_from_now)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return json.dumps({"action": "terminate", "time": when})
+
+
+@pytest.mark.parametrize("body,expected", [
+    (action(120), 120), (action(-5), 0), ("not json", None), ('{"action": "stop"}', None),
+])
+def test_parse_instance_action(body, expected):
+    notice = parse_instance_action(body, NOW)
+    assert (notice.deadline_s if notice else None) == expected
+
+
+@pytest.mark.parametrize("notice,policy,expected", [
+    (None, "drain", None),
+    (Notice("spot-interruption", 90, "x"), "ignore", 90),
+    (Notice("rebalance", 0, "x"), "drain", 120),
+    (Notice("rebalance", 0, "x"), "ignore", None),
+])
+def test_decide(notice, policy, expected):
+    out = decide(notice, policy, 120)
+    assert (out.deadline_s if out else None) == expected
+
+
+def test_no_notice_means_no_drain(imds):
+    drained = []
+    assert watch(IMDS(imds.url), drained.append, interval_s=0.01, max_polls=3, clock=lambda: NOW) is None
+    assert drained == [] and imds.token_requests == 1, "the token is reused across polls"
+
+
+def test_interruption_notice_drains_with_its_deadline(imds):
+    imds.documents["/latest/meta-data/spot/instance-action"] = action(110)
+    drained = []
+    notice = watch(IMDS(imds.url), lambda n: drained.append(n) or True, interval_s=0.01, max_polls=3,
+                   clock=lambda: NOW, say=lambda m: None)
+    assert notice.kind == "spot-interruption" and notice.deadline_s == 110 and drained == [notice]
+
+
+def test_rebalance_recommendation_drains_early(imds):
+    imds.documents["/latest/meta-data/events/recommendations/rebalance"] = '{"noticeTime": "2026-11-30T10:00:00Z"}'
+    notice = watch(IMDS(imds.url), lambda n: True, interval_s=0.01, max_polls=2, clock=lambda: NOW,
+                   rebalance_deadline_s=300, say=lambda m: None)
+    assert notice.kind == "rebalance" and notice.deadline_s == 300
+
+
+def test_failed_drain_is_retried(imds):
+    imds.documents["/latest/meta-data/spot/instance-action"] = action(60)
+    results = iter([False, True])
+    said = []
+    notice = watch(IMDS(imds.url), lambda n: next(results), interval_s=0.01, max_polls=5, clock=lambda: NOW,
+                   say=said.append)
+    assert notice is not None and any("drain failed" in m for m in said)
+
+
+def test_unreachable_metadata_service_is_survived():
+    said = []
+    assert watch(IMDS("http://127.0.0.1:9", timeout_s=0.2), lambda n: True, interval_s=0.01, max_polls=2,
+                 say=said.append) is None
+    assert len(said) == 2 and "unreachable" in said[0]
+
+
+def test_sigterm_drains_too(imds):
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), 15)).start()
+    notice = watch(IMDS(imds.url), lambda n: True, interval_s=0.05, max_polls=100, sigterm_deadline_s=20,
+                   say=lambda m: None)
+    assert notice.kind == "sigterm" and notice.deadline_s == 20
