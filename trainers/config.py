@@ -160,6 +160,8 @@ class CheckpointConfig(Strict):
     storage_root: str = Field(default_factory=default_root, description="local directory or s3://bucket/prefix")
     num_to_keep: int | None = Field(3, gt=0)
     upload: Literal["async", "sync"] = "async"
+    preemption_check_steps: int = Field(
+        1, gt=0, description="steps between checks for a spot notice (each check is a barrier across ranks)")
 
     @field_validator("path")
     @classmethod

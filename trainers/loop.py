@@ -131,6 +131,7 @@ def train_loop_per_worker(config: dict) -> None:
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
     upload_mode = CheckpointUploadMode.ASYNC if spec.checkpoint.upload == "async" else CheckpointUploadMode.SYNC
     log_every, ckpt_every = t.log_interval_steps, spec.checkpoint.interval
+    preempt_every, jit_taken = spec.checkpoint.preemption_check_steps, False
     window = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, samples, tokens (this rank)
     window_start = time.perf_counter()
     run_start, steady_start, steady_samples = window_start, None, 0
@@ -165,7 +166,9 @@ def train_loop_per_worker(config: dict) -> None:
         else:
             steady_samples += global_samples
 
-        is_ckpt = done % ckpt_every == 0 or done == stop
+        # A barrier on every rank (so every rank checks at the same steps); set by a node drain.
+        preemption = ray.train.get_preemption_info() if not jit_taken and done % preempt_every == 0 else None
+        is_ckpt = done % ckpt_every == 0 or done == stop or preemption is not None
         if not (is_ckpt or done % log_every == 0):
             continue
         if world > 1:
@@ -214,8 +217,25 @@ def train_loop_per_worker(config: dict) -> None:
             }
             ckpt.write_local(directory, state, spec.checkpoint.file_name(done))
             checkpoint = Checkpoint.from_directory(directory)
+        # A just-in-time checkpoint must be durable before the node goes: upload it synchronously.
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
-                         checkpoint_upload_mode=upload_mode)
+                         checkpoint_upload_mode=CheckpointUploadMode.SYNC if preemption else upload_mode)
+        if preemption is not None:
+            jit_taken = True
+            wait_out_preemption(preemption, rank, done)
+
+
+def wait_out_preemption(info, rank: int, step: int, grace_s: float = 30.0) -> None:
+    """After the just-in-time checkpoint, stop doing work that the restart would throw away.
+
+    Ray Train restarts the run at the deadline; if that does not happen (the notice was a
+    false alarm), training goes on after the grace period.
+    """
+    deadline_s = (info.deadline_ms / 1000 - time.time()) if info.deadline_ms else 0.0
+    if rank == 0:
+        print(f"[etrain] preemption notice for nodes {info.preempted_node_ids}: checkpoint at step {step} "
+              f"saved; idling {max(0.0, deadline_s):.0f}s until the restart", flush=True)
+    time.sleep(max(0.0, deadline_s) + grace_s)
 
 
 def params_in_sync(model: torch.nn.Module, world: int) -> bool:

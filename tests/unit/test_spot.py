@@ -6,55 +6,14 @@ import json
 import os
 import threading
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
+from fake_imds import FakeIMDS
 
 from cluster.spot import IMDS, Notice, decide, parse_instance_action, watch
 
 NOW = datetime(2026, 11, 30, 10, 0, 0, tzinfo=timezone.utc)
-
-
-class FakeIMDS:
-    """IMDSv2 on 127.0.0.1: a token by PUT, documents only with that token, 404 when no notice."""
-
-    def __init__(self):
-        self.documents: dict[str, str] = {}
-        self.token_requests = 0
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_PUT(self):
-                if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
-                    fake.token_requests += 1
-                    self._send(200, "tok-123")
-                else:
-                    self._send(400, "")
-
-            def do_GET(self):
-                if self.headers.get("X-aws-ec2-metadata-token") != "tok-123":
-                    return self._send(401, "")
-                body = fake.documents.get(self.path)
-                self._send(200, body) if body is not None else self._send(404, "")
-
-            def _send(self, code, body):
-                data = body.encode()
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
