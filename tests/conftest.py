@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# Everything binds to loopback. Ray otherwise turns 127.0.0.1 in an address into the machine's
+# outward IP when connecting (resolve_ip_for_localhost), so joining a loopback cluster hangs.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))  # user-code packages the specs import
 

@@ -254,6 +254,8 @@ class ModelConfig(Strict):
 
 class FaultToleranceConfig(Strict):
     max_failures: int = Field(3, ge=-1, description="retries for errors in user code; -1 is unlimited")
+    max_infrastructure_failures: int = Field(
+        -1, ge=-1, description="retries after preemptions and lost nodes (never charged to max_failures); -1 is unlimited")
 
 
 class JobSpec(Strict):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import posixpath
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import ray
@@ -20,6 +21,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from cluster.storage import StorageRoot, open_root
 from trainers.config import JobSpec, SpecError
+from trainers.recovery import INTERRUPTIONS_FILE, classify_failure, should_retry
 from trainers.workloads import resolve
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_STOPPED = 0, 1, 2, 3
@@ -93,7 +95,7 @@ def run_paths(spec: JobSpec, root: StorageRoot) -> tuple[str, str]:
 
 
 def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: str,
-                  stop_at_step: int | None) -> TorchTrainer:
+                  stop_at_step: int | None, run_id: str = "", previous_failure: str | None = None) -> TorchTrainer:
     from trainers.loop import train_loop_per_worker
 
     storage_path, run_name = run_paths(spec, root)
@@ -110,13 +112,17 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
             "spec": spec.model_dump(mode="json"), "data_uri": data_uri, "storage_uri": root.uri,
             "run_path": posixpath.join(storage_path, run_name), "stop_at_step": stop_at_step,
             "use_gpu": runtime.use_gpu, "mixed_precision": runtime.mixed_precision,
+            "run_id": run_id, "previous_failure": previous_failure,
         },
         torch_config=TorchConfig(backend=runtime.backend, timeout_s=d.timeout_s),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=runtime.use_gpu,
                                      resources_per_worker=d.resources_per_worker),
         run_config=RunConfig(
             name=run_name, storage_path=storage_path, storage_filesystem=root.fs,
-            failure_config=FailureConfig(max_failures=spec.fault_tolerance.max_failures),
+            # Ray retries preemptions in place; everything else comes back to run_attempts, which
+            # knows a lost node from a user error (Ray would charge both to max_failures).
+            failure_config=FailureConfig(max_failures=0,
+                                         max_preemption_failures=spec.fault_tolerance.max_infrastructure_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.num_to_keep),
             logging_config=LoggingConfig(log_level="WARNING"),  # our loop prints progress itself
             # Ray would also log every print() of a worker, doubling each progress line.
@@ -126,24 +132,24 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
 
 
 def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print) -> tuple[int, dict]:
-    """Run a job to its target (or ``stop_at_step``); return (exit code, summary)."""
+    """Run a job to its target (or ``stop_at_step``); return (exit code, summary).
+
+    Failures are retried here by kind (see trainers.recovery): a lost node never uses up the
+    user's ``max_failures``; every attempt resumes from the newest verified checkpoint.
+    """
     started = time.time()
     root = preflight(spec)
     started_ray = ensure_ray(spec.distributed.max_workers)
+    run_id = uuid.uuid4().hex[:12]
     try:
         runtime = resolve_runtime(spec, ray.cluster_resources().get("GPU", 0))
         for note in runtime.notes:
             say(f"[etrain] note: {note}")
         data_uri = resolve(spec).prepare(spec, root)
         say(f"[etrain] job {spec.name!r}: storage {root.uri_of(spec.name)}, data {data_uri or spec.data.factory}")
-        error = None
-        try:
-            result = build_trainer(spec, root, runtime, data_uri, stop_at_step).fit()
-            metrics, checkpoint_uri = dict(result.metrics or {}), result.checkpoint and result.checkpoint.path
-            error = result.error
-        except Exception as exc:  # boundary: the run failed; record why, exit non-zero
-            metrics, checkpoint_uri, error = {}, None, exc
+        metrics, checkpoint_uri, error = run_attempts(spec, root, runtime, data_uri, stop_at_step, run_id, say)
         summary = make_summary(spec, root, metrics, checkpoint_uri, error, time.time() - started)
+        summary["interruptions"] = [r for r in read_interruptions(root, spec.name) if r.get("run_id") == run_id]
         root.write_json(summary, spec.name, "summary.json")
     finally:
         if started_ray:
@@ -151,6 +157,36 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print) -> tuple[
     if summary["status"] == "succeeded":
         return EXIT_OK, summary
     return (EXIT_STOPPED if summary["status"] == "stopped" else EXIT_FAILED), summary
+
+
+def run_attempts(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: str, stop_at_step: int | None,
+                 run_id: str, say) -> tuple[dict, str | None, BaseException | None]:
+    """The one place that carries out retry decisions: fit, classify a failure, retry or stop."""
+    ft = spec.fault_tolerance
+    user_failures = infra_failures = 0
+    previous: str | None = None
+    while True:
+        try:
+            trainer = build_trainer(spec, root, runtime, data_uri, stop_at_step, run_id, previous)
+            result = trainer.fit()
+            return dict(result.metrics or {}), result.checkpoint and result.checkpoint.path, None
+        except Exception as exc:  # boundary: decide below whether this attempt's failure is retried
+            error = exc
+        kind = classify_failure(error)
+        user_failures += kind == "user_error"
+        infra_failures += kind in ("node_lost", "preemption")
+        if not should_retry(kind, user_failures, ft.max_failures, infra_failures, ft.max_infrastructure_failures):
+            say(f"[etrain] giving up after a {kind.replace('_', ' ')} "
+                f"(user errors {user_failures}/{ft.max_failures}, infrastructure {infra_failures})")
+            return {}, None, error
+        first_line = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
+        say(f"[etrain] attempt failed: {kind.replace('_', ' ')} ({first_line}); "
+            "retrying from the newest verified checkpoint")
+        previous = kind
+
+
+def read_interruptions(root: StorageRoot, job: str) -> list[dict]:
+    return root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else []
 
 
 def make_summary(spec: JobSpec, root: StorageRoot, metrics: dict, checkpoint_path: str | None,

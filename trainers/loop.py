@@ -17,6 +17,7 @@ over the global batch whatever the world size or the split into micro-batches.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import tempfile
 import time
@@ -31,6 +32,7 @@ from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, batching_summary
 from trainers.data import BatchPlan, PlanSampler, StepMicroBatches, make_loader
+from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, interruption_record
 from trainers.workloads import resolve
 
 
@@ -127,6 +129,9 @@ def train_loop_per_worker(config: dict) -> None:
               f"(micro-batch {micro} x {accum} accumulation{', dynamic by tokens' if spec.data.dynamic_batching else ''}); "
               f"steps {start} -> {stop} of {target}, {plan.steps_per_epoch} per epoch", flush=True)
 
+    beats = Heartbeats(spec.name, config.get("run_id") or "", HEARTBEAT_INTERVAL_S) if rank == 0 else None
+    pending = beats.last() if beats else None  # the attempt before this one died at its last beat
+
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config["mixed_precision"])
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
     upload_mode = CheckpointUploadMode.ASYNC if spec.checkpoint.upload == "async" else CheckpointUploadMode.SYNC
@@ -163,8 +168,12 @@ def train_loop_per_worker(config: dict) -> None:
         done = step + 1
         if steady_start is None:
             steady_start = time.perf_counter()  # the first step pays for warm-up; measure after it
+            if pending is not None:
+                record_interruption(root, spec.name, pending, start, world, config.get("previous_failure"))
         else:
             steady_samples += global_samples
+        if beats:
+            beats.beat(done, world)
 
         # A barrier on every rank (so every rank checks at the same steps); set by a node drain.
         preemption = ray.train.get_preemption_info() if not jit_taken and done % preempt_every == 0 else None
@@ -220,9 +229,26 @@ def train_loop_per_worker(config: dict) -> None:
         # A just-in-time checkpoint must be durable before the node goes: upload it synchronously.
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
                          checkpoint_upload_mode=CheckpointUploadMode.SYNC if preemption else upload_mode)
+        if beats:
+            beats.beat(done, world, cause="preemption notice" if preemption else None, force=True)
         if preemption is not None:
             jit_taken = True
             wait_out_preemption(preemption, rank, done)
+
+
+FAILURE_CAUSES = {"user_error": "user error", "node_lost": "node lost", "preemption": "preemption"}
+
+
+def record_interruption(root, job: str, last: Heartbeat, restored_step: int, world: int,
+                        previous_failure: str | None) -> None:
+    """Rank 0, at the first step after a restart: append what the interruption cost to storage."""
+    if last.cause is None and previous_failure:
+        last = dataclasses.replace(last, cause=FAILURE_CAUSES.get(previous_failure, previous_failure))
+    record = interruption_record(last, restored_step, world, time.time())
+    records = root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else []
+    root.write_json([*records, record], job, INTERRUPTIONS_FILE)
+    print(f"[etrain] recovered from {record['cause']} in {record['recovery_s']:.1f}s: "
+          f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}", flush=True)
 
 
 def wait_out_preemption(info, rank: int, step: int, grace_s: float = 30.0) -> None:

@@ -150,3 +150,29 @@ def test_user_factories_and_user_loop(ray_local, tmp_path):
     code, summary = run_job(spec)
     assert code == EXIT_OK, summary
     assert Path(summary["checkpoint_uri"], "done.txt").read_text() == "own-loop"
+
+
+def flaky_spec(root, name, marker, max_failures, always=False):
+    return validate({
+        "name": name, "training": {"batch_size": 30, "learning_rate": 0.05, "max_steps": 20},
+        "checkpoint": {"interval": 5, "storage_root": str(root)},
+        "fault_tolerance": {"max_failures": max_failures},
+        "model": {"factory": "userpkg:flaky_model", "options": {"marker": str(marker), "fail_at": 12, "always": always}},
+        "data": {"factory": "userpkg:make_data"},
+    })
+
+
+def test_user_error_uses_the_budget_and_resumes_from_checkpoint(ray_local, tmp_path):
+    code, summary = run_job(flaky_spec(tmp_path, "flaky", tmp_path / "marker", max_failures=1))
+    assert code == EXIT_OK, summary
+    (record,) = summary["interruptions"]
+    assert record["cause"] == "user error"
+    assert record["restored_step"] == 10 and record["steps_lost"] <= 5, record  # never from scratch
+    stored = json.loads((tmp_path / "flaky" / "interruptions.json").read_text())
+    assert stored[-1]["run_id"] == record["run_id"]
+
+
+def test_user_error_beyond_the_budget_fails_with_its_message(ray_local, tmp_path):
+    code, summary = run_job(flaky_spec(tmp_path, "broken", tmp_path / "m2", max_failures=0, always=True))
+    assert code == 1 and summary["status"] == "failed"
+    assert "user bug at forward call 12" in summary["error"]
