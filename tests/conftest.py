@@ -60,3 +60,23 @@ def ray_local(s3_server):
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def multi_node():
+    """A head that runs no training workers plus two 1-CPU 'spot' worker nodes, all on loopback."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()  # these tests need their own multi-node Ray
+    # A dead node is noticed in ~2 s instead of ~15 s, so a restart does not wait for its ghost.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                           "health_check_failure_threshold": 4}})
+    nodes = [cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1") for _ in range(2)]
+    ray.init(address=cluster.address)
+    yield cluster, nodes
+    ray.shutdown()
+    cluster.shutdown()

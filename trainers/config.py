@@ -119,6 +119,8 @@ class DistributedConfig(Strict):
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     timeout_s: int = Field(1800, gt=0)
+    resize_check_interval_s: float = Field(
+        60.0, gt=0, description="with {min, max} workers: how often Ray Train looks for room to grow")
 
     @field_validator("strategy", "backend", mode="before")
     @classmethod
@@ -160,6 +162,9 @@ class CheckpointConfig(Strict):
     storage_root: str = Field(default_factory=default_root, description="local directory or s3://bucket/prefix")
     num_to_keep: int | None = Field(3, gt=0)
     upload: Literal["async", "sync"] = "async"
+    min_interval_s: float = Field(
+        5.0, ge=0, description="skip an interval checkpoint taken sooner than this after the last one: Ray Train "
+        "registers about one report per 2 s, and faster async uploads would queue up and lag behind")
     preemption_check_steps: int = Field(
         1, gt=0, description="steps between checks for a spot notice (each check is a barrier across ranks)")
 
@@ -253,6 +258,9 @@ class ModelConfig(Strict):
 
 
 class FaultToleranceConfig(Strict):
+    worker_start_timeout_s: float = Field(
+        20.0, gt=0, description="how long a restart waits for its workers before Ray Train re-plans the group "
+        "size (after a node loss its view of the cluster can be stale for a while)")
     max_failures: int = Field(3, ge=-1, description="retries for errors in user code; -1 is unlimited")
     max_infrastructure_failures: int = Field(
         -1, ge=-1, description="retries after preemptions and lost nodes (never charged to max_failures); -1 is unlimited")

@@ -100,6 +100,8 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
 
     storage_path, run_name = run_paths(spec, root)
     d = spec.distributed
+    # Ray Train propagates its RAY_TRAIN_* settings from the driver to its controller.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(spec.fault_tolerance.worker_start_timeout_s))
     num_workers = d.num_workers if isinstance(d.num_workers, int) else (d.num_workers.min, d.num_workers.max)
     loop = train_loop_per_worker
     if spec.train_loop:
@@ -112,11 +114,12 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
             "spec": spec.model_dump(mode="json"), "data_uri": data_uri, "storage_uri": root.uri,
             "run_path": posixpath.join(storage_path, run_name), "stop_at_step": stop_at_step,
             "use_gpu": runtime.use_gpu, "mixed_precision": runtime.mixed_precision,
-            "run_id": run_id, "previous_failure": previous_failure,
+            "run_id": run_id, "previous_failure": previous_failure, "attempt_started_at": time.time(),
         },
         torch_config=TorchConfig(backend=runtime.backend, timeout_s=d.timeout_s),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=runtime.use_gpu,
-                                     resources_per_worker=d.resources_per_worker),
+                                     resources_per_worker=d.resources_per_worker,
+                                     elastic_resize_monitor_interval_s=d.resize_check_interval_s),
         run_config=RunConfig(
             name=run_name, storage_path=storage_path, storage_filesystem=root.fs,
             # Ray retries preemptions in place; everything else comes back to run_attempts, which

@@ -137,6 +137,7 @@ def train_loop_per_worker(config: dict) -> None:
     upload_mode = CheckpointUploadMode.ASYNC if spec.checkpoint.upload == "async" else CheckpointUploadMode.SYNC
     log_every, ckpt_every = t.log_interval_steps, spec.checkpoint.interval
     preempt_every, jit_taken = spec.checkpoint.preemption_check_steps, False
+    min_gap_s, last_ckpt_at = spec.checkpoint.min_interval_s, float("-inf")
     window = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, samples, tokens (this rank)
     window_start = time.perf_counter()
     run_start, steady_start, steady_samples = window_start, None, 0
@@ -169,7 +170,8 @@ def train_loop_per_worker(config: dict) -> None:
         if steady_start is None:
             steady_start = time.perf_counter()  # the first step pays for warm-up; measure after it
             if pending is not None:
-                record_interruption(root, spec.name, pending, start, world, config.get("previous_failure"))
+                launcher_cause = config.get("previous_failure") if pending.time < config.get("attempt_started_at", 0) else None
+                record_interruption(root, spec.name, pending, start, world, launcher_cause)
         else:
             steady_samples += global_samples
         if beats:
@@ -177,7 +179,8 @@ def train_loop_per_worker(config: dict) -> None:
 
         # A barrier on every rank (so every rank checks at the same steps); set by a node drain.
         preemption = ray.train.get_preemption_info() if not jit_taken and done % preempt_every == 0 else None
-        is_ckpt = done % ckpt_every == 0 or done == stop or preemption is not None
+        is_ckpt = done == stop or preemption is not None or (
+            done % ckpt_every == 0 and checkpoint_due(time.monotonic() - last_ckpt_at, min_gap_s, world, device))
         if not (is_ckpt or done % log_every == 0):
             continue
         if world > 1:
@@ -229,6 +232,7 @@ def train_loop_per_worker(config: dict) -> None:
         # A just-in-time checkpoint must be durable before the node goes: upload it synchronously.
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
                          checkpoint_upload_mode=CheckpointUploadMode.SYNC if preemption else upload_mode)
+        last_ckpt_at = time.monotonic()
         if beats:
             beats.beat(done, world, cause="preemption notice" if preemption else None, force=True)
         if preemption is not None:
@@ -244,11 +248,23 @@ def record_interruption(root, job: str, last: Heartbeat, restored_step: int, wor
     """Rank 0, at the first step after a restart: append what the interruption cost to storage."""
     if last.cause is None and previous_failure:
         last = dataclasses.replace(last, cause=FAILURE_CAUSES.get(previous_failure, previous_failure))
+    elif last.cause is None and world > last.world_size:
+        last = dataclasses.replace(last, cause="scale up")  # Ray Train restarted the group to grow it
     record = interruption_record(last, restored_step, world, time.time())
     records = root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else []
     root.write_json([*records, record], job, INTERRUPTIONS_FILE)
     print(f"[etrain] recovered from {record['cause']} in {record['recovery_s']:.1f}s: "
           f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}", flush=True)
+
+
+def checkpoint_due(since_last_s: float, min_gap_s: float, world: int, device: torch.device) -> bool:
+    """Whether an interval checkpoint is taken now: rank 0 decides from its clock, all ranks agree."""
+    if min_gap_s <= 0:
+        return True
+    due = torch.tensor([1.0 if since_last_s >= min_gap_s else 0.0], device=device)
+    if world > 1:
+        dist.broadcast(due, src=0)
+    return bool(due.item())
 
 
 def wait_out_preemption(info, rank: int, step: int, grace_s: float = 30.0) -> None:
