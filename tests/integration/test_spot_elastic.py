@@ -24,24 +24,8 @@ from trainers.launch import EXIT_OK, run_job
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.fixture
-def two_node_cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    if ray.is_initialized():
-        ray.shutdown()  # this test needs its own multi-node Ray
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1"})
-    spot_node = cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1")
-    ray.init(address=cluster.address)
-    yield cluster, spot_node
-    ray.shutdown()
-    cluster.shutdown()
-
-
-def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(two_node_cluster, tmp_path):
-    cluster, spot_node = two_node_cluster
+def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_node, tmp_path):
+    cluster, (_, spot_node) = multi_node
     spec = validate({
         "name": "spot", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 4000},
         "distributed": {"num_workers": {"min": 1, "max": 2}},
@@ -54,7 +38,10 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(two_node_
     run_path = open_root(str(tmp_path)).path("spot", "checkpoints")
     imds = FakeIMDS()
     try:
-        time.sleep(20)  # let the 2-worker group start and train
+        for _ in range(240):  # let the 2-worker group start and take its first checkpoint
+            if open_root(run_path).list_dirs():
+                break
+            time.sleep(0.5)
         when = (datetime.now(timezone.utc) + timedelta(seconds=8)).strftime("%Y-%m-%dT%H:%M:%SZ")
         imds.documents["/latest/meta-data/spot/instance-action"] = json.dumps({"action": "terminate", "time": when})
         notice = watch(IMDS(imds.url), lambda n: drain_node(cluster.address, spot_node.node_id, n).returncode == 0,
@@ -77,3 +64,7 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(two_node_
     assert summary["final_step"] == 4000 and summary["world_size"] == 1 and summary["global_batch_size"] == 64
     state = ckpt.load_state(open_root(str(tmp_path)).fs, summary["checkpoint_uri"])
     assert state["global_batch_size"] == 64
+    (record,) = summary["interruptions"]
+    assert record["cause"] == "preemption notice" and record["restored_step"] == jit
+    assert record["steps_lost"] <= 1, record
+    assert (record["world_size_before"], record["world_size_after"]) == (2, 1)

@@ -1,0 +1,85 @@
+"""Chaos: worker nodes killed at random moments, one while a checkpoint is being written.
+
+The run must still end at exactly its target step, restore only checkpoints whose
+manifests verify, and lose at most one checkpoint interval of work per interruption.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+
+from trainers import checkpoint as ckpt
+from trainers.config import validate
+from trainers.launch import EXIT_OK, run_job
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
+INTERVAL = 800
+
+
+def interruptions(root: Path) -> list[dict]:
+    path = root / "chaos" / "interruptions.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def checkpoint_dirs(root: Path) -> set[str]:
+    run = root / "chaos" / "checkpoints"
+    return {p.name for p in run.glob("checkpoint_*")} if run.exists() else set()
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def test_three_random_node_kills_complete_exactly(multi_node, tmp_path):
+    cluster, nodes = multi_node
+    rng = random.Random(2026)
+    spec = validate({
+        "name": "chaos", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 16000},
+        "distributed": {"num_workers": {"min": 1, "max": 2}, "resize_check_interval_s": 2},
+        # Synchronous upload: a kill mid-upload stops training at that step, so at most one
+        # interval is lost; no floor between checkpoints, so every interval is taken.
+        "checkpoint": {"interval": INTERVAL, "storage_root": str(tmp_path), "num_to_keep": None,
+                       "upload": "sync", "min_interval_s": 0},
+        "fault_tolerance": {"max_failures": 0},  # node losses must not touch the user's budget
+        "model": {"hidden_size": 64},
+    })
+    result: dict = {}
+    job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))), daemon=True)
+    job.start()
+    live = list(nodes)
+    for kill in range(3):
+        wait_for(lambda: len(interruptions(tmp_path)) >= kill and checkpoint_dirs(tmp_path), 240,
+                 f"training to run again before kill {kill + 1}")
+        if kill == 0:  # the first kill lands the moment a new checkpoint folder appears
+            seen = checkpoint_dirs(tmp_path)
+            wait_for(lambda: checkpoint_dirs(tmp_path) - seen, 120, "a new checkpoint being written")
+        else:
+            time.sleep(rng.uniform(1.0, 6.0))
+        victim = live.pop(rng.randrange(len(live)))
+        cluster.remove_node(victim, allow_graceful=False)
+        live.append(cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1"))
+        wait_for(lambda: len(interruptions(tmp_path)) > kill, 240, f"recovery from kill {kill + 1}")
+    job.join(timeout=900)
+    assert result.get("code") == EXIT_OK, result
+    summary = result["summary"]
+    assert summary["final_step"] == summary["target_step"] == 16000
+    records = [r for r in summary["interruptions"] if r["cause"] != "scale up"]
+    assert len(records) >= 3, summary["interruptions"]
+    fs = pafs.LocalFileSystem()
+    for r in summary["interruptions"]:
+        assert r["steps_lost"] <= INTERVAL, r
+        if r["restored_step"]:
+            _, problem = ckpt.verify(fs, str(tmp_path / "chaos" / "checkpoints" / ckpt.dir_name(r["restored_step"])))
+            assert problem is None, (r, problem)
