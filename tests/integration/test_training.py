@@ -176,3 +176,21 @@ def test_user_error_beyond_the_budget_fails_with_its_message(ray_local, tmp_path
     code, summary = run_job(flaky_spec(tmp_path, "broken", tmp_path / "m2", max_failures=0, always=True))
     assert code == 1 and summary["status"] == "failed"
     assert "user bug at forward call 12" in summary["error"]
+
+
+def test_transient_s3_error_during_checkpoint_upload_is_retried(ray_local, s3_server, tmp_path, monkeypatch):
+    from faulty_proxy import FaultyProxy
+
+    boto3.client("s3").create_bucket(Bucket="etrain-flaky")
+    proxy = FaultyProxy(s3_server, lambda method, path: method == "PUT" and path.endswith("/model_4.pt"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)  # the driver's filesystem, which Ray uploads with
+    try:
+        code, summary = run_job(digits_spec("s3://etrain-flaky/runs", "flaky-s3"))
+    finally:
+        proxy.close()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    assert code == EXIT_OK, summary
+    assert proxy.failed == [("PUT", "/etrain-flaky/runs/flaky-s3/checkpoints/checkpoint_000000004/model_4.pt")]
+    assert ("PUT", proxy.failed[0][1], 200) in proxy.passed, "the failed upload was retried and went through"
+    _, problem = ckpt.verify(open_root("s3://etrain-flaky").fs, "etrain-flaky/runs/flaky-s3/checkpoints/checkpoint_000000004")
+    assert problem is None
