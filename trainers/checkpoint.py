@@ -42,7 +42,7 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def write_local(directory: str, state: dict, file_name: str) -> None:
+def write_local(directory: str, state: dict, file_name: str, metrics: dict | None = None) -> None:
     """Write the state, then the manifest that vouches for it (last, so it means 'complete')."""
     torch.save(state, os.path.join(directory, file_name))
     files = {}
@@ -51,7 +51,7 @@ def write_local(directory: str, state: dict, file_name: str) -> None:
         if name != MANIFEST and os.path.isfile(full):
             files[name] = {"size": os.path.getsize(full), "sha256": _sha256(full)}
     manifest = {"format": FORMAT_VERSION, "step": state["step"], "state_file": file_name,
-                "files": files, "created_at": time.time()}
+                "files": files, "created_at": time.time(), "metrics": metrics or {}}
     tmp = os.path.join(directory, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=2)
@@ -127,3 +127,50 @@ def load_state(fs: pafs.FileSystem, path: str, map_location: str | torch.device 
         state_file = json.loads(f.read())["state_file"]
     with fs.open_input_file(posixpath.join(path, state_file)) as f:
         return torch.load(f, map_location=map_location, weights_only=True)
+
+
+@dataclass(frozen=True)
+class Kept:
+    step: int
+    metric: float | None  # None: no manifest yet (in flight) or no such metric
+    complete: bool
+
+
+def retention_plan(entries: list[Kept], keep_newest: int | None, best_mode: str | None) -> list[int]:
+    """Steps to delete: keep the ``keep_newest`` newest complete checkpoints, the best one by
+    the metric, and anything newer than the newest complete one (it may be uploading now)."""
+    complete = sorted((e for e in entries if e.complete), key=lambda e: e.step)
+    if not complete or keep_newest is None:
+        return []
+    keep = {e.step for e in complete[-keep_newest:]}
+    scored = [e for e in complete if e.metric is not None]
+    if best_mode and scored:
+        pick = min if best_mode == "min" else max
+        keep.add(pick(scored, key=lambda e: e.metric).step)
+    newest = complete[-1].step
+    return sorted(e.step for e in entries if e.step not in keep and e.step <= newest)
+
+
+def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: str | None,
+          best_mode: str) -> list[int]:
+    """Apply :func:`retention_plan` to the run folder; return the steps deleted."""
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(run_path, recursive=False, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    entries, paths = [], {}
+    for info in infos:
+        step = step_of(posixpath.basename(info.path))
+        if info.type != pafs.FileType.Directory or step is None:
+            continue
+        paths[step] = info.path
+        try:
+            with fs.open_input_stream(posixpath.join(info.path, MANIFEST)) as f:
+                value = json.loads(f.read()).get("metrics", {}).get(metric) if metric else None
+            entries.append(Kept(step, float(value) if value is not None else None, True))
+        except (FileNotFoundError, OSError, ValueError):
+            entries.append(Kept(step, None, False))
+    doomed = retention_plan(entries, keep_newest, best_mode if metric else None)
+    for step in doomed:
+        fs.delete_dir(paths[step])
+    return doomed

@@ -160,7 +160,9 @@ class CheckpointConfig(Strict):
         description="checkpoint file inside the job's folder under the storage root; a leading / means the job folder",
     )
     storage_root: str = Field(default_factory=default_root, description="local directory or s3://bucket/prefix")
-    num_to_keep: int | None = Field(3, gt=0)
+    num_to_keep: int | None = Field(3, gt=0, description="newest complete checkpoints kept (null: all)")
+    keep_best_metric: str | None = Field(None, description="also keep the best checkpoint by this metric, e.g. loss")
+    keep_best_mode: Literal["min", "max"] = "min"
     upload: Literal["async", "sync"] = "async"
     min_interval_s: float = Field(
         5.0, ge=0, description="skip an interval checkpoint taken sooner than this after the last one: Ray Train "

@@ -20,6 +20,7 @@ from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from cluster.storage import StorageRoot, open_root
+from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, SpecError
 from trainers.recovery import INTERRUPTIONS_FILE, classify_failure, should_retry
 from trainers.workloads import resolve
@@ -126,7 +127,8 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
             # knows a lost node from a user error (Ray would charge both to max_failures).
             failure_config=FailureConfig(max_failures=0,
                                          max_preemption_failures=spec.fault_tolerance.max_infrastructure_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.num_to_keep),
+            # Retention is ours (newest N plus the best by a metric, never a partial one): Ray keeps all.
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
             logging_config=LoggingConfig(log_level="WARNING"),  # our loop prints progress itself
             # Ray would also log every print() of a worker, doubling each progress line.
             worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
@@ -151,6 +153,8 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print) -> tuple[
         data_uri = resolve(spec).prepare(spec, root)
         say(f"[etrain] job {spec.name!r}: storage {root.uri_of(spec.name)}, data {data_uri or spec.data.factory}")
         metrics, checkpoint_uri, error = run_attempts(spec, root, runtime, data_uri, stop_at_step, run_id, say)
+        c = spec.checkpoint  # the loop prunes as it goes; the last async uploads land after it stops
+        ckpt.prune(root.fs, posixpath.join(*run_paths(spec, root)), c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
         summary = make_summary(spec, root, metrics, checkpoint_uri, error, time.time() - started)
         summary["interruptions"] = [r for r in read_interruptions(root, spec.name) if r.get("run_id") == run_id]
         root.write_json(summary, spec.name, "summary.json")

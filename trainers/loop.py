@@ -227,12 +227,15 @@ def train_loop_per_worker(config: dict) -> None:
                 "rng": {"scheme": "torch.manual_seed(step_seed(seed, step, rank)) each step", "seed": t.seed},
                 "metrics": metrics,
             }
-            ckpt.write_local(directory, state, spec.checkpoint.file_name(done))
+            ckpt.write_local(directory, state, spec.checkpoint.file_name(done), metrics)
             checkpoint = Checkpoint.from_directory(directory)
         # A just-in-time checkpoint must be durable before the node goes: upload it synchronously.
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
                          checkpoint_upload_mode=CheckpointUploadMode.SYNC if preemption else upload_mode)
         last_ckpt_at = time.monotonic()
+        if rank == 0:
+            c = spec.checkpoint
+            ckpt.prune(root.fs, run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
         if beats:
             beats.beat(done, world, cause="preemption notice" if preemption else None, force=True)
         if preemption is not None:

@@ -67,8 +67,13 @@ def test_guide_template_trains_from_the_command_line(tmp_path):
 
 def test_two_workers_learn_digits_and_stay_in_sync(ray_local, tmp_path):
     spec = digits_spec(tmp_path, "digits", max_steps=40)
+    spec.checkpoint.min_interval_s = 0
+    spec.checkpoint.num_to_keep = 2
+    spec.checkpoint.keep_best_metric = "loss"
     code, summary = run_job(spec)
     assert code == EXIT_OK, summary
+    kept = sorted(p.name for p in (tmp_path / "digits" / "checkpoints").glob("checkpoint_0*"))
+    assert kept[-2:] == ["checkpoint_000000036", "checkpoint_000000040"] and len(kept) <= 3, kept
     state = final_state(summary)
     assert state["metrics"]["params_in_sync"] is True
     assert summary["world_size"] == 2 and summary["final_step"] == 40

@@ -86,3 +86,30 @@ def test_manifest_lists_sizes_and_hashes(tmp_path):
 
 def test_missing_run_folder_means_fresh_start(tmp_path):
     assert ckpt.find_restore(pafs.LocalFileSystem(), str(tmp_path / "nope")) == (None, [])
+
+
+K = ckpt.Kept
+
+
+@pytest.mark.parametrize("entries,keep,mode,deleted", [
+    ([K(1, 0.9, True), K(2, 0.5, True), K(3, 0.7, True), K(4, 0.8, True)], 2, None, [1, 2]),
+    ([K(1, 0.9, True), K(2, 0.5, True), K(3, 0.7, True), K(4, 0.8, True)], 2, "min", [1]),
+    ([K(1, 0.9, True), K(2, 0.5, True), K(3, 0.7, True), K(4, 0.8, True)], 1, "max", [2, 3]),
+    ([K(1, 0.9, True), K(2, None, False), K(3, 0.7, True)], 1, None, [1, 2]),  # a partial one goes too
+    ([K(1, 0.9, True), K(2, 0.5, True), K(3, None, False)], 1, None, [1]),     # newer, maybe uploading: kept
+    ([K(1, 0.9, True), K(2, 0.5, True)], None, "min", []),
+    ([], 3, "min", []),
+])
+def test_retention_plan(entries, keep, mode, deleted):
+    assert ckpt.retention_plan(entries, keep, mode) == deleted
+
+
+def test_prune_keeps_newest_and_best(tmp_path):
+    run = str(tmp_path)
+    for step, loss in [(10, 0.3), (20, 0.1), (30, 0.4), (40, 0.5)]:
+        d = os.path.join(run, ckpt.dir_name(step))
+        os.makedirs(d)
+        ckpt.write_local(d, {"step": step}, f"model_{step}.pt", {"loss": loss})
+    os.makedirs(os.path.join(run, ckpt.dir_name(25)))  # a writer killed before its manifest
+    assert ckpt.prune(pafs.LocalFileSystem(), run, 2, "loss", "min") == [10, 25]
+    assert sorted(os.listdir(run)) == [ckpt.dir_name(s) for s in (20, 30, 40)]
