@@ -31,16 +31,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "fixtures")]
 
 
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise SystemExit(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20000, help="target steps of the job (long enough for both)")
@@ -48,6 +38,7 @@ def main() -> None:
 
     import ray
     from fake_imds import FakeIMDS
+    from waiting import wait_for
     from ray.cluster_utils import Cluster
     from ray.experimental import internal_kv
 

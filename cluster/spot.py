@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable
+from collections.abc import Callable
 
 AWS_IMDS_URL = "http://169.254.169.254"
 TOKEN_TTL_S = 21600

@@ -98,6 +98,15 @@ def cmd_spot_watch(args: argparse.Namespace) -> int:
     return 0 if notice else 1
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from cluster.doctor import exit_code, render, run_checks
+    from cluster.storage import default_root
+
+    findings = run_checks(args.storage_root or default_root(), args.address)
+    print(render(findings))
+    return exit_code(findings)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="etrain", description="Elastic, spot-tolerant PyTorch DDP training on Ray.",
@@ -120,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     init.add_argument("--kms-key-id", help="encrypt with this KMS key (aws:kms) instead of SSE-S3 AES-256")
     init.add_argument("--no-create", action="store_true", help="fail if the bucket does not exist")
     init.set_defaults(fn=cmd_storage_init)
+    doctor = sub.add_parser(
+        "doctor", help="check Python, torch/CUDA/NCCL, GPUs, the Ray cluster and the storage root; say how to fix",
+        description="The deployment guide's environment checklist as one command. Exit code 1 on a blocking problem.")
+    doctor.add_argument("--storage-root", help="storage root to probe (default: $ETRAIN_STORAGE_ROOT or ~/etrain-storage)")
+    doctor.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or the running local cluster)")
+    doctor.set_defaults(fn=cmd_doctor)
     spot = sub.add_parser(
         "spot-watch", help="per-node daemon: turn spot interruption notices (and SIGTERM) into a Ray node drain",
         description="Polls the AWS instance metadata service (IMDSv2) for spot/instance-action and the "

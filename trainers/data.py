@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -57,10 +56,17 @@ class BatchPlan:
         self.shuffle = shuffle
         self.lengths = np.asarray(lengths) if lengths is not None else None
         self.min_batch = min_batch
+        self._epochs: dict[int, tuple[tuple[int, ...], ...]] = {}
         self.steps_per_epoch = len(self.epoch_batches(0))
 
-    @lru_cache(maxsize=4)
     def epoch_batches(self, epoch: int) -> tuple[tuple[int, ...], ...]:
+        if epoch not in self._epochs:
+            if len(self._epochs) >= 2:  # a run only ever looks at this epoch and the next
+                self._epochs.pop(min(self._epochs))
+            self._epochs[epoch] = self._make_epoch(epoch)
+        return self._epochs[epoch]
+
+    def _make_epoch(self, epoch: int) -> tuple[tuple[int, ...], ...]:
         order = list(range(self.num_samples))
         rng = random.Random(self.seed * 1_000_003 + epoch)
         if self.shuffle:

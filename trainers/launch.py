@@ -123,10 +123,11 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
                                      elastic_resize_monitor_interval_s=d.resize_check_interval_s),
         run_config=RunConfig(
             name=run_name, storage_path=storage_path, storage_filesystem=root.fs,
-            # Ray retries preemptions in place; everything else comes back to run_attempts, which
-            # knows a lost node from a user error (Ray would charge both to max_failures).
-            failure_config=FailureConfig(max_failures=0,
-                                         max_preemption_failures=spec.fault_tolerance.max_infrastructure_failures),
+            # Every failure comes back to run_attempts, which knows a lost node from a user error
+            # (Ray would charge both to max_failures). Preemptions too: Ray's in-place restart
+            # plans the new group from a node list refreshed only every 20 s and waits for the
+            # drained node's ghost; a fresh controller sees the cluster as it is.
+            failure_config=FailureConfig(max_failures=0, max_preemption_failures=0),
             # Retention is ours (newest N plus the best by a metric, never a partial one): Ray keeps all.
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             logging_config=LoggingConfig(log_level="WARNING"),  # our loop prints progress itself

@@ -1,10 +1,9 @@
 """Failures and interruptions: what kind each is, whether to retry, and what it cost.
 
 Infrastructure failures (a preemption, a lost node) never use up the user's
-``fault_tolerance.max_failures``; errors in user code do. Ray Train retries preemptions
-in place (``max_preemption_failures``); the launcher retries the rest by classifying the
-error with :func:`classify_failure` and asking :func:`should_retry`. Every retry resumes
-from the newest verified checkpoint.
+``fault_tolerance.max_failures``; errors in user code do. Ray Train hands every failure
+back to the launcher, which classifies it with :func:`classify_failure` and asks
+:func:`should_retry`. Every retry resumes from the newest verified checkpoint.
 
 Recovery accounting: rank 0 leaves a heartbeat (step, time, world size, cause) in Ray's
 GCS key-value store at most once a second and at every checkpoint. The first step of the

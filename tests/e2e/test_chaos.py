@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
+from waiting import wait_for
 
 from trainers import checkpoint as ckpt
 from trainers.config import validate
@@ -31,15 +32,6 @@ def interruptions(root: Path) -> list[dict]:
 def checkpoint_dirs(root: Path) -> set[str]:
     run = root / "chaos" / "checkpoints"
     return {p.name for p in run.glob("checkpoint_*")} if run.exists() else set()
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def test_three_random_node_kills_complete_exactly(multi_node, tmp_path):
@@ -64,7 +56,7 @@ def test_three_random_node_kills_complete_exactly(multi_node, tmp_path):
                  f"training to run again before kill {kill + 1}")
         if kill == 0:  # the first kill lands the moment a new checkpoint folder appears
             seen = checkpoint_dirs(tmp_path)
-            wait_for(lambda: checkpoint_dirs(tmp_path) - seen, 120, "a new checkpoint being written")
+            wait_for(lambda: checkpoint_dirs(tmp_path) - seen, 120, "a new checkpoint being written", poll_s=0.02)
         else:
             time.sleep(rng.uniform(1.0, 6.0))
         victim = live.pop(rng.randrange(len(live)))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
@@ -15,16 +15,6 @@ from trainers.config import validate
 from trainers.launch import EXIT_OK, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def interruptions(root: Path, job: str) -> list[dict]:

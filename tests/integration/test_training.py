@@ -15,7 +15,7 @@ import torch
 
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
-from trainers.config import load_spec, validate
+from trainers.config import validate
 from trainers.launch import EXIT_OK, EXIT_STOPPED, run_job
 
 pytestmark = pytest.mark.ray
@@ -199,3 +199,17 @@ def test_transient_s3_error_during_checkpoint_upload_is_retried(ray_local, s3_se
     assert ("PUT", proxy.failed[0][1], 200) in proxy.passed, "the failed upload was retried and went through"
     _, problem = ckpt.verify(open_root("s3://etrain-flaky").fs, "etrain-flaky/runs/flaky-s3/checkpoints/checkpoint_000000004")
     assert problem is None
+
+
+def test_doctor_finds_the_running_cluster(ray_local, tmp_path):
+    address = ray_local.get_runtime_context().gcs_address
+    ok = subprocess.run([sys.executable, "-m", "trainers.cli", "doctor", "--address", address,
+                         "--storage-root", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=180)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "Ray cluster reachable: 1 node(s)" in ok.stdout and "every node runs ray 2.60.0" in ok.stdout
+    assert "[warn] no GPU visible" in ok.stdout
+    (tmp_path / "file").write_text("x")
+    bad = subprocess.run([sys.executable, "-m", "trainers.cli", "doctor", "--address", address,
+                          "--storage-root", str(tmp_path / "file" / "root")], capture_output=True, text=True,
+                         cwd=REPO, timeout=180)
+    assert bad.returncode == 1 and "is not writable" in bad.stdout and "fix:" in bad.stdout

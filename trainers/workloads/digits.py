@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -27,19 +28,20 @@ def digits_table() -> pa.Table:
     return pa.table({"features": list(features), "label": bunch.target.astype(np.int64)})
 
 
-def write_parquet(table: pa.Table, root: StorageRoot, rel: str) -> None:
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    root.write_bytes(buf.getvalue(), rel)
+def prepare_builtin(spec: JobSpec, root: StorageRoot, rel: str, make_table: Callable[[], pa.Table]) -> str:
+    """The user's Parquet source as is, or a built-in set converted once under the storage root."""
+    if spec.data.source and not spec.data.source.startswith("builtin:"):
+        return spec.data.source
+    if not root.exists(rel):
+        buf = io.BytesIO()
+        pq.write_table(make_table(), buf)
+        root.write_bytes(buf.getvalue(), rel)
+    return root.uri_of(rel)
 
 
 class Digits:
     def prepare(self, spec: JobSpec, root: StorageRoot) -> str:
-        if spec.data.source and not spec.data.source.startswith("builtin:"):
-            return spec.data.source
-        if not root.exists(DATASET_FILE):
-            write_parquet(digits_table(), root, DATASET_FILE)
-        return root.uri_of(DATASET_FILE)
+        return prepare_builtin(spec, root, DATASET_FILE, digits_table)
 
     def dataset(self, spec: JobSpec, data_uri: str) -> FeatureDataset:
         return FeatureDataset(read_table(data_uri))

@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from cluster.storage import StorageRoot
 from trainers.config import JobSpec
 from trainers.data import TokenDataset, read_table
-from trainers.workloads.digits import write_parquet
+from trainers.workloads.digits import prepare_builtin
 
 DATASET_FILE = "datasets/text-v1.parquet"
 VOCAB = 257  # 256 byte values and one padding id
@@ -94,11 +94,7 @@ class TinyGPT(nn.Module):
 
 class LanguageModel:
     def prepare(self, spec: JobSpec, root: StorageRoot) -> str:
-        if spec.data.source and not spec.data.source.startswith("builtin:"):
-            return spec.data.source
-        if not root.exists(DATASET_FILE):
-            write_parquet(text_table(), root, DATASET_FILE)
-        return root.uri_of(DATASET_FILE)
+        return prepare_builtin(spec, root, DATASET_FILE, text_table)
 
     def dataset(self, spec: JobSpec, data_uri: str) -> TokenDataset:
         return TokenDataset(read_table(data_uri), pad_id=PAD_ID, max_len=spec.model.max_seq_len)

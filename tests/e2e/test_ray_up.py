@@ -1,0 +1,124 @@
+"""The cluster path for real: `ray up` on the local twin over a real sshd, `ray job submit`.
+
+The test starts its own sshd on 127.0.0.1:22 with host and user keys it makes (``.ci/run``
+installs openssh-server and rsync), runs Ray's own CLI against it, and stops every process
+it started by pid: sshd, and the head's Ray that `ray down` leaves running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.twin import local_twin
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+SSHD = "/usr/sbin/sshd"
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def ray_pids() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    marks = ("raylet", "gcs_server", "dashboard", "ray/_private", "ray::", "log_monitor", "monitor.py")
+    return {int(line.split()[0]) for line in out.splitlines() if any(m in line for m in marks)}
+
+
+def stop_pids(pids: set[int]) -> None:
+    for sig in (15, 9):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        time.sleep(2)
+
+
+@pytest.fixture
+def sshd(tmp_path):
+    if not (os.path.exists(SSHD) and shutil.which("rsync")):
+        pytest.fail("openssh-server and rsync are needed: .ci/run installs them (apt-get install openssh-server rsync)")
+    if port_open(22):
+        pytest.fail("something already listens on 127.0.0.1:22; this test runs its own sshd there")
+    d = tmp_path / "ssh"
+    d.mkdir()
+    for name in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
+    (d / "authorized_keys").chmod(0o600)
+    config = d / "sshd_config"
+    config.write_text(
+        f"ListenAddress 127.0.0.1\nPort 22\nHostKey {d / 'host_key'}\nPidFile {d / 'sshd.pid'}\n"
+        f"AuthorizedKeysFile {d / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
+        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+        "MaxSessions 50\nMaxStartups 50\nSubsystem sftp internal-sftp\n")
+    Path("/run/sshd").mkdir(exist_ok=True)  # privilege separation directory
+    proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(config)], stderr=open(d / "sshd.log", "w"))
+    for _ in range(50):
+        if port_open(22):
+            break
+        time.sleep(0.1)
+    yield d / "user_key"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_ray_up_then_job_submit_then_ray_down(sshd, tmp_path):
+    node_dir = tmp_path / "node"
+    storage = tmp_path / "storage"
+    twin = local_twin(yaml.safe_load((REPO / "ray_cluster.yaml").read_text()), ssh_user=os.environ.get("USER", "root"),
+                      ssh_private_key=str(sshd), target_dir=str(node_dir))
+    twin["file_mounts"] = {str(node_dir): str(REPO)}
+    config = tmp_path / "twin.yaml"
+    config.write_text(yaml.safe_dump(twin))
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    before = ray_pids()
+    ray = str(BIN / "ray")
+    try:
+        up = subprocess.run([ray, "up", "-y", "--no-config-cache", str(config)], capture_output=True, text=True,
+                            env=env, timeout=1200)
+        assert up.returncode == 0, (up.stdout + up.stderr)[-4000:]
+        node_python = node_dir / ".node-venv" / "bin" / "python"
+        assert node_python.exists()
+        job_env = {**env, "RAY_AUTH_MODE": "token"}
+        submit = subprocess.run(
+            [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--no-wait", "--submission-id", "quickstart-e2e",
+             "--", str(node_python), "-m", "trainers.train", str(node_dir / "configs" / "quickstart.yaml"),
+             "--set", f"checkpoint.storage_root={storage}", "--set", "training.epochs=2"],
+            capture_output=True, text=True, env=job_env, timeout=120)
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+        status = ""
+        for _ in range(180):
+            status = subprocess.run([ray, "job", "status", "--address", "http://127.0.0.1:8265", "quickstart-e2e"],
+                                    capture_output=True, text=True, env=job_env, timeout=60).stdout
+            if any(s in status for s in ("SUCCEEDED", "FAILED", "STOPPED")):
+                break
+            time.sleep(2)
+        logs = subprocess.run([ray, "job", "logs", "--address", "http://127.0.0.1:8265", "quickstart-e2e"],
+                              capture_output=True, text=True, env=job_env, timeout=60).stdout
+        assert "SUCCEEDED" in status, status + logs[-3000:]
+        assert "[etrain] job quickstart: succeeded" in logs
+        summary = json.loads((storage / "quickstart" / "summary.json").read_text())
+        assert summary["status"] == "succeeded"
+        assert (Path(summary["checkpoint_uri"]) / "manifest.json").exists()
+    finally:
+        down = subprocess.run([ray, "down", "-y", str(config)], capture_output=True, text=True, env=env, timeout=300)
+        left = ray_pids() - before  # `ray down` leaves the head's Ray running on the local provider
+        stop_pids(left)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not (ray_pids() - before), "every process the test started is stopped"

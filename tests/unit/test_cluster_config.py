@@ -1,0 +1,62 @@
+"""ray_cluster.yaml and its local twin: Ray's own validation plus the rules we promise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from cluster.twin import local_twin, render
+
+REPO = Path(__file__).resolve().parents[2]
+AWS = yaml.safe_load((REPO / "ray_cluster.yaml").read_text())
+
+
+@pytest.mark.parametrize("name", ["ray_cluster.yaml", "cluster/local.yaml"])
+def test_passes_rays_validation(name):
+    validate_config(prepare_config(yaml.safe_load((REPO / name).read_text())))
+
+
+def test_gpu_workers_are_spot_with_on_demand_fallback():
+    types = AWS["available_node_types"]
+    markets = {name: t["node_config"].get("InstanceMarketOptions", {}).get("MarketType", "on-demand")
+               for name, t in types.items() if name != AWS["head_node_type"]}
+    assert "spot" in markets.values() and "on-demand" in markets.values(), markets
+    head = types[AWS["head_node_type"]]["node_config"]
+    assert "InstanceMarketOptions" not in head, "the head must be on-demand"
+
+
+def test_ray_is_pinned_everywhere():
+    setup = " ".join(AWS["setup_commands"])
+    assert '"ray[default,train,tune,serve]==2.60.0"' in setup
+
+
+def test_workers_start_the_spot_watcher():
+    assert any("etrain spot-watch" in c for c in AWS["worker_start_ray_commands"])
+
+
+def test_only_ssh_faces_the_internet():
+    for rule in AWS["provider"]["security_group"]["IpPermissions"]:
+        open_to_all = any(r.get("CidrIp") == "0.0.0.0/0" for r in rule.get("IpRanges", []))
+        if open_to_all:
+            assert (rule["FromPort"], rule["ToPort"]) == (22, 22), rule
+    head = " ".join(AWS["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head and "RAY_AUTH_MODE=token" in head
+    assert "--metrics-export-port=8080" in head
+
+
+def test_nccl_settings_from_the_guide():
+    setup = " ".join(AWS["setup_commands"])
+    for var in ("TORCH_NCCL_BLOCKING_WAIT=1", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "NCCL_SOCKET_IFNAME"):
+        assert var in setup
+
+
+def test_local_twin_is_generated_from_the_aws_file():
+    assert (REPO / "cluster" / "local.yaml").read_text() == render(local_twin(AWS)), \
+        "regenerate: python -m cluster.twin > cluster/local.yaml"
+    twin = local_twin(AWS)
+    assert twin["provider"] == {"type": "local", "head_ip": "127.0.0.1", "worker_ips": []}
+    start = twin["head_start_ray_commands"][-1]
+    assert "--node-ip-address=127.0.0.1" in start and "--dashboard-host=127.0.0.1" in start
