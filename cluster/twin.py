@@ -6,7 +6,10 @@ commands, run on this machine over SSH. What differs, and why:
 - provider ``local`` with the head at 127.0.0.1 and no workers (one box);
 - the node installs the same pins into a virtual environment instead of the system Python,
   and every command runs with that environment first on PATH;
-- Ray binds to 127.0.0.1 (``--node-ip-address``), as nothing here may face outward;
+- Ray binds to 127.0.0.1 (``--node-ip-address``), as nothing here may face outward, and
+  every process it starts (job drivers too) keeps 127.0.0.1 as is: Ray otherwise swaps a
+  loopback address for the machine's outward one when connecting
+  (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``);
 - no NCCL settings in /etc/environment and no spot watcher: no GPUs, no spot market;
 - no `ray stop` before `ray start`: on a shared box it would kill every Ray there, not
   just this cluster's (a fresh cloud node has nothing else to stop).
@@ -32,7 +35,7 @@ def local_twin(aws: dict, ssh_user: str = "root", ssh_private_key: str = "~/.ssh
     """The local-provider config derived from the AWS one."""
     remote_dir = next(iter(aws["file_mounts"]))
     env_dir = f"{target_dir}/.node-venv"
-    on_path = f"export PATH={env_dir}/bin:$PATH;"
+    on_path = f"export PATH={env_dir}/bin:$PATH RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0;"
 
     def local(cmd: str) -> str:
         cmd = cmd.replace(remote_dir, target_dir)

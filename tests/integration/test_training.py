@@ -172,7 +172,8 @@ def test_user_error_uses_the_budget_and_resumes_from_checkpoint(ray_local, tmp_p
     assert code == EXIT_OK, summary
     (record,) = summary["interruptions"]
     assert record["cause"] == "user error"
-    assert record["restored_step"] == 10 and record["steps_lost"] <= 5, record  # never from scratch
+    # Never from scratch: from checkpoint 10, or 5 if 10's async upload had not landed yet.
+    assert record["restored_step"] in (5, 10) and record["steps_lost"] <= 6, record
     stored = json.loads((tmp_path / "flaky" / "interruptions.json").read_text())
     assert stored[-1]["run_id"] == record["run_id"]
 
