@@ -11,7 +11,7 @@ Cold start is the time from submitting the job to its first finished step. Recov
 time from the node's removal to the first finished step after it. Targets: <= 1 step lost
 with a notice; recovery <= 1.5x cold start.
 
-    python bench/preemption.py [--steps 20000]
+    python bench/preemption.py [--steps 40000]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "fixtures")]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20000, help="target steps of the job (long enough for both)")
+    parser.add_argument("--steps", type=int, default=40000, help="target steps of the job (long enough for both)")
     args = parser.parse_args()
 
     import ray
@@ -64,7 +64,7 @@ def main() -> None:
     key = b"etrain/bench-preempt/heartbeat"
     result: dict = {}
     submitted = time.time()
-    job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec, say=lambda m: None))))
+    job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec, say=lambda m: print(m, file=sys.stderr)))))
     job.start()
     first_step = json.loads(wait_for(lambda: internal_kv._internal_kv_get(key), 300, "the first step"))["time"]
     cold_start_s = first_step - submitted
