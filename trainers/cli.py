@@ -57,6 +57,9 @@ def print_summary(s: dict) -> None:
     print(f"\n[etrain] job {s['name']}: {s['status']} at step {s['final_step']}/{s['target_step']} "
           f"in {s['wall_time_s']:.1f}s; {rate} samples/s; final loss {loss}; "
           f"world size {s['world_size']}, global batch {s['global_batch_size']}")
+    for r in s.get("interruptions", []):
+        print(f"[etrain] interruption: {r['cause']} at step {r['step_reached']}, {r['steps_lost']} steps lost, "
+              f"{r['recovery_s']:.1f}s to the next step, world size {r['world_size_before']} -> {r['world_size_after']}")
     print(f"[etrain] checkpoint: {s['checkpoint_uri']}")
     print(f"[etrain] summary:    {s['storage']}/summary.json")
     if s.get("error"):
