@@ -114,7 +114,7 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
         train_loop_config={
             "spec": spec.model_dump(mode="json"), "data_uri": data_uri, "storage_uri": root.uri,
             "run_path": posixpath.join(storage_path, run_name), "stop_at_step": stop_at_step,
-            "use_gpu": runtime.use_gpu, "mixed_precision": runtime.mixed_precision,
+            "mixed_precision": runtime.mixed_precision,
             "run_id": run_id, "previous_failure": previous_failure, "attempt_started_at": time.time(),
         },
         torch_config=TorchConfig(backend=runtime.backend, timeout_s=d.timeout_s),

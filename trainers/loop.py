@@ -7,7 +7,8 @@ It talks to Ray only through ``ray.train.get_context / report`` (and Ray Train's
 - ``data_uri``: where the workload's Parquet data is,
 - ``storage_uri`` / ``run_path``: the storage root and the run folder holding checkpoints,
 - ``stop_at_step``: stop early (with a checkpoint), leaving the job resumable,
-- ``use_gpu``, ``mixed_precision``: the runtime the launcher resolved.
+- ``mixed_precision``: what the launcher resolved for this cluster (fp16 only with GPUs),
+- ``run_id``, ``previous_failure``, ``attempt_started_at``: for recovery accounting.
 
 The loss of every micro-batch is a SUM over its samples, scaled by world_size / global
 samples of the step; DDP averages gradients over ranks, so the update is the exact mean
