@@ -1,7 +1,7 @@
 """The one per-worker training loop: data -> DDP step -> report/checkpoint.
 
-It talks to Ray only through ``ray.train.get_context / report`` (and Ray Train's
-``prepare_model``). Everything it needs arrives in ``config`` from the launcher:
+It talks to Ray only through ``ray.train.get_context / report / get_preemption_info``,
+Ray Train's ``prepare_model``, and (rank 0) a heartbeat in Ray's key-value store. Everything it needs arrives in ``config`` from the launcher:
 
 - ``spec``: the validated job spec (as a dict),
 - ``data_uri``: where the workload's Parquet data is,
