@@ -65,3 +65,13 @@ def test_local_root_roundtrip_and_run_paths(tmp_path):
     spec = validate({"name": "j", "checkpoint": {"path": "/ckpts/nested/model_{step}.pt", "storage_root": str(tmp_path)}})
     storage_path, name = run_paths(spec, open_root(str(tmp_path)))
     assert (storage_path, name) == (f"{tmp_path}/j/ckpts", "nested")
+
+
+def test_missing_user_data_is_refused_before_ray(tmp_path):
+    from trainers.launch import preflight
+
+    spec = validate({"model": {"factory": "userpkg:make_model"}, "data": {"source": str(tmp_path / "train.parquet")},
+                     "checkpoint": {"storage_root": str(tmp_path / "root")}})
+    with pytest.raises(SpecError) as info:
+        preflight(spec)
+    assert info.value.problems[0].startswith(f"data.source: '{tmp_path}/train.parquet': not found")
