@@ -31,8 +31,9 @@ test-fast: $(STAMP)
 test-ray: $(STAMP)
 	$(PYTEST) tests/integration -q
 
+# Side-by-side ratios measured in one run (see bench/); each script also runs on its own.
 bench: $(STAMP)
-	$(PY) bench/run_all.py
+	$(PY) bench/preemption.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
