@@ -51,25 +51,27 @@ def main() -> None:
         "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                            "health_check_failure_threshold": 4}})
     nodes = [cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1") for _ in range(2)]
-    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
-    root = Path(mkdtemp(prefix="etrain-bench-"))
-    spec = validate({
-        "name": "bench-preempt", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": args.steps},
-        "distributed": {"num_workers": {"min": 1, "max": 2}, "resize_check_interval_s": 600},
-        "checkpoint": {"interval": 500, "storage_root": str(root), "min_interval_s": 2},
-        "model": {"hidden_size": 64},
-    })
-    records_path = root / "bench-preempt" / "interruptions.json"
-    records = lambda: json.loads(records_path.read_text()) if records_path.exists() else []  # noqa: E731
-    key = b"etrain/bench-preempt/heartbeat"
-    result: dict = {}
-    submitted = time.time()
-    job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec, say=lambda m: print(m, file=sys.stderr)))))
-    job.start()
-    first_step = json.loads(wait_for(lambda: internal_kv._internal_kv_get(key), 300, "the first step"))["time"]
-    cold_start_s = first_step - submitted
     imds = FakeIMDS()
     try:
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+        root = Path(mkdtemp(prefix="etrain-bench-"))
+        spec = validate({
+            "name": "bench-preempt", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": args.steps},
+            "distributed": {"num_workers": {"min": 1, "max": 2}, "resize_check_interval_s": 600},
+            "checkpoint": {"interval": 500, "storage_root": str(root), "min_interval_s": 2},
+            "model": {"hidden_size": 64},
+        })
+        records_path = root / "bench-preempt" / "interruptions.json"
+        records = lambda: json.loads(records_path.read_text()) if records_path.exists() else []  # noqa: E731
+        key = b"etrain/bench-preempt/heartbeat"
+        result: dict = {}
+        submitted = time.time()
+        say = lambda m: print(m, file=sys.stderr)  # noqa: E731
+        job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec, say=say))),
+                               daemon=True)
+        job.start()
+        first_step = json.loads(wait_for(lambda: internal_kv._internal_kv_get(key), 300, "the first step"))["time"]
+        cold_start_s = first_step - submitted
         time.sleep(3)
         when = (datetime.now(timezone.utc) + timedelta(seconds=6)).strftime("%Y-%m-%dT%H:%M:%SZ")
         imds.documents["/latest/meta-data/spot/instance-action"] = json.dumps({"action": "terminate", "time": when})
@@ -81,15 +83,14 @@ def main() -> None:
         notice = wait_for(lambda: records()[:1], 300, "recovery after the notice")[0]
         time.sleep(3)
         removed_cold = time.time()
-        spare = cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1")
+        cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1")  # room to go on
         cluster.remove_node(nodes[0], allow_graceful=False)
         no_notice = wait_for(lambda: records()[1:2], 300, "recovery after the kill")[0]
-    finally:
+        job.join(timeout=1200)
+    finally:  # stop everything this bench started, even when a wait above failed
         imds.close()
-    job.join(timeout=1200)
-    ray.shutdown()
-    cluster.shutdown()
-    _ = spare
+        ray.shutdown()
+        cluster.shutdown()
     recovery_notice = notice["interrupted_at"] + notice["recovery_s"] - removed_notice
     recovery_kill = no_notice["interrupted_at"] + no_notice["recovery_s"] - removed_cold
     print(f"job finished: {result.get('summary', {}).get('status')} at step {result.get('summary', {}).get('final_step')}")

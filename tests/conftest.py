@@ -55,7 +55,7 @@ def ray_local(s3_server):
     """One local Ray for the session (started after the S3 settings so workers inherit them)."""
     import ray
 
-    ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
+    ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
              configure_logging=True, logging_level="WARNING",
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])}})
     yield ray

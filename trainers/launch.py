@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import os
 import posixpath
+import socket
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import pyarrow.fs as pafs
 import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
@@ -70,6 +74,26 @@ def preflight(spec: JobSpec) -> StorageRoot:
     return root
 
 
+def running_cluster_address() -> str | None:
+    """RAY_ADDRESS, or the cluster `ray start` left on record if its GCS answers.
+
+    A Ray that died without cleaning up leaves its address file behind, and joining that
+    address hangs; a one-second TCP probe tells a live cluster from a stale record.
+    """
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    record = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    if not record.exists():
+        return None
+    address = record.read_text().strip()
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return address
+    except (OSError, ValueError):
+        return None
+
+
 def ensure_ray(num_workers: int) -> bool:
     """Join the running cluster (RAY_ADDRESS or `ray start`), else start a local Ray on loopback.
 
@@ -77,14 +101,13 @@ def ensure_ray(num_workers: int) -> bool:
     """
     if ray.is_initialized():
         return False
-    try:
-        ray.init(address="auto", log_to_driver=True)
+    address = running_cluster_address()
+    if address:
+        ray.init(address=address, log_to_driver=True)
         return False
-    except ConnectionError:
-        pass
     num_cpus = max(os.cpu_count() or 1, num_workers + 2)
     # The dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls.
-    ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=True,
+    ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=True,
              dashboard_host="127.0.0.1", configure_logging=True, logging_level="WARNING")
     return True
 
@@ -174,23 +197,52 @@ def run_attempts(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: s
     user_failures = infra_failures = 0
     previous: str | None = None
     while True:
+        if not spec.train_loop:
+            forget_ray_snapshot(spec, root)
         try:
             trainer = build_trainer(spec, root, runtime, data_uri, stop_at_step, run_id, previous)
             result = trainer.fit()
-            return dict(result.metrics or {}), result.checkpoint and result.checkpoint.path, None
+            if result.metrics:
+                return dict(result.metrics), result.checkpoint and result.checkpoint.path, None
+            return latest_metrics(spec, root)  # the job was already at its target: nothing ran
         except Exception as exc:  # boundary: decide below whether this attempt's failure is retried
             error = exc
         kind = classify_failure(error)
         user_failures += kind == "user_error"
         infra_failures += kind in ("node_lost", "preemption")
+        first_line = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
         if not should_retry(kind, user_failures, ft.max_failures, infra_failures, ft.max_infrastructure_failures):
-            say(f"[etrain] giving up after a {kind.replace('_', ' ')} "
+            say(f"[etrain] giving up after a {kind.replace('_', ' ')}: {type(error).__name__}: {first_line} "
                 f"(user errors {user_failures}/{ft.max_failures}, infrastructure {infra_failures})")
             return {}, None, error
-        first_line = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
         say(f"[etrain] attempt failed: {kind.replace('_', ' ')} ({first_line}); "
             "retrying from the newest verified checkpoint")
         previous = kind
+
+
+RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
+
+
+def forget_ray_snapshot(spec: JobSpec, root: StorageRoot) -> None:
+    """Start Ray Train's bookkeeping afresh; our loop restores by listing and verifying.
+
+    Ray keeps a snapshot of the checkpoints it was told about and refuses to start when one
+    is gone ("a corrupted run"); our retention deletes old ones on purpose. Deleting the
+    snapshot is Ray's documented way to start anew. A user's own ``train_loop`` keeps it,
+    since it resumes through ``ray.train.get_checkpoint()``.
+    """
+    path = posixpath.join(*run_paths(spec, root), RAY_SNAPSHOT_FILE)
+    if root.fs.get_file_info(path).type != pafs.FileType.NotFound:
+        root.fs.delete_file(path)
+
+
+def latest_metrics(spec: JobSpec, root: StorageRoot) -> tuple[dict, str | None, None]:
+    """The metrics and path of the newest verified checkpoint, from its manifest."""
+    chosen, _ = ckpt.find_restore(root.fs, posixpath.join(*run_paths(spec, root)))
+    if chosen is None:
+        return {}, None, None
+    manifest, _ = ckpt.verify(root.fs, chosen.path)
+    return dict(manifest.get("metrics", {})), chosen.path, None
 
 
 def read_interruptions(root: StorageRoot, job: str) -> list[dict]:

@@ -214,3 +214,16 @@ def test_doctor_finds_the_running_cluster(ray_local, tmp_path):
                           "--storage-root", str(tmp_path / "file" / "root")], capture_output=True, text=True,
                          cwd=REPO, timeout=180)
     assert bad.returncode == 1 and "is not writable" in bad.stdout and "fix:" in bad.stdout
+
+
+def test_retention_never_breaks_a_resume_or_a_rerun(ray_local, tmp_path):
+    spec = digits_spec(tmp_path, "kept-one")
+    spec.checkpoint.num_to_keep = 1
+    spec.checkpoint.min_interval_s = 0
+    code, part = run_job(spec, stop_at_step=8)
+    assert code == EXIT_STOPPED
+    assert [p.name for p in (tmp_path / "kept-one" / "checkpoints").glob("checkpoint_0*")] == ["checkpoint_000000008"]
+    code, rest = run_job(spec)  # Ray's own run snapshot still names checkpoint 4, which retention removed
+    assert code == EXIT_OK and rest["final_step"] == 12, rest
+    code, again = run_job(spec)  # a finished job reports its summary again
+    assert code == EXIT_OK and again["final_step"] == 12 and again["final_loss"] == rest["final_loss"], again
