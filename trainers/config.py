@@ -167,9 +167,8 @@ class CheckpointConfig(Strict):
     min_interval_s: float = Field(
         5.0, ge=0, description="skip an interval checkpoint taken sooner than this after the last one: Ray Train "
         "registers about one report per 2 s, and faster async uploads would queue up and lag behind")
-    preemption_check_s: float = Field(
-        1.0, gt=0, description="about how often to ask Ray for a spot notice; each check is a barrier across "
-        "ranks, so it is spaced by measured step time rather than done every step")
+    preemption_check_steps: int = Field(
+        1, gt=0, description="steps between checks for a spot notice (each check is a barrier across ranks)")
 
     @field_validator("path")
     @classmethod

@@ -137,7 +137,7 @@ def train_loop_per_worker(config: dict) -> None:
     autocast = (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
     upload_mode = CheckpointUploadMode.ASYNC if spec.checkpoint.upload == "async" else CheckpointUploadMode.SYNC
     log_every, ckpt_every = t.log_interval_steps, spec.checkpoint.interval
-    next_check, jit_taken = start + 1, False
+    preempt_every, jit_taken = spec.checkpoint.preemption_check_steps, False
     min_gap_s, last_ckpt_at = spec.checkpoint.min_interval_s, float("-inf")
     window = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, samples, tokens (this rank)
     window_start = time.perf_counter()
@@ -178,13 +178,8 @@ def train_loop_per_worker(config: dict) -> None:
         if beats:
             beats.beat(done, world)
 
-        # A barrier on every rank, so all ranks check at the same steps: rank 0 spaces the checks
-        # by its measured step time and tells the others when the next one is.
-        preemption = None
-        if done == next_check and not jit_taken:
-            preemption = ray.train.get_preemption_info()
-            step_s = (time.perf_counter() - run_start) / (done - start)
-            next_check = done + agree_on_steps(spec.checkpoint.preemption_check_s / max(step_s, 1e-6), world, device)
+        # A barrier on every rank (so every rank checks at the same steps); set by a node drain.
+        preemption = ray.train.get_preemption_info() if not jit_taken and done % preempt_every == 0 else None
         is_ckpt = done == stop or preemption is not None or (
             done % ckpt_every == 0 and checkpoint_due(time.monotonic() - last_ckpt_at, min_gap_s, world, device))
         if not (is_ckpt or done % log_every == 0):
@@ -264,14 +259,6 @@ def record_interruption(root, job: str, last: Heartbeat, restored_step: int, wor
     root.write_json([*records, record], job, INTERRUPTIONS_FILE)
     print(f"[etrain] recovered from {record['cause']} in {record['recovery_s']:.1f}s: "
           f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}", flush=True)
-
-
-def agree_on_steps(steps: float, world: int, device: torch.device) -> int:
-    """Rank 0's step count (at least 1, at most 10,000), the same on every rank."""
-    value = torch.tensor([float(min(max(round(steps), 1), 10_000))], device=device)
-    if world > 1:
-        dist.broadcast(value, src=0)
-    return int(value.item())
 
 
 def checkpoint_due(since_last_s: float, min_gap_s: float, world: int, device: torch.device) -> bool:
