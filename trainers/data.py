@@ -141,11 +141,17 @@ class StepMicroBatches:
                  max_tokens: int | None = None):
         self.plan, self.rank, self.world_size = plan, rank, world_size
         self.micro_batch_size, self.max_tokens = micro_batch_size, max_tokens
+        self._recent: dict[int, list[list[int]]] = {}
 
     def at(self, step: int) -> list[list[int]]:
-        share = rank_share(self.plan.global_batch_at(step), self.rank, self.world_size)
-        lengths = self.plan.lengths if self.max_tokens else None
-        return micro_batches(share, self.micro_batch_size, lengths, self.max_tokens)
+        """Memoised for a few steps: the loader's sampler and the loop both ask for each step."""
+        if step not in self._recent:
+            if len(self._recent) >= 8:
+                self._recent.pop(next(iter(self._recent)))
+            share = rank_share(self.plan.global_batch_at(step), self.rank, self.world_size)
+            lengths = self.plan.lengths if self.max_tokens else None
+            self._recent[step] = micro_batches(share, self.micro_batch_size, lengths, self.max_tokens)
+        return self._recent[step]
 
 
 class PlanSampler(Sampler[list[int]]):
