@@ -79,6 +79,10 @@ class StorageRoot:
         p = self.path(*parts)
         return f"s3://{p}" if isinstance(self.fs, pafs.S3FileSystem) else p
 
+    def sub(self, *parts: str) -> "StorageRoot":
+        """The root one level down: a sweep's trials are jobs under ``<root>/sweeps/<name>/jobs``."""
+        return StorageRoot(uri=self.uri_of(*parts), fs=self.fs, base=self.path(*parts))
+
     def exists(self, *parts: str) -> bool:
         return self.fs.get_file_info(self.path(*parts)).type != pafs.FileType.NotFound
 

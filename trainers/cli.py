@@ -14,6 +14,7 @@ EXAMPLES = """examples:
   etrain run configs/deployment-guide.json --set training.max_steps=50
   etrain run configs/lm.yaml --set distributed.num_workers=1 --set checkpoint.storage_root=s3://bucket/runs
   etrain demo
+  etrain sweep configs/sweep.yaml
 
 A job's name and storage root identify it: running the same spec again resumes it from
 its latest verified checkpoint. Exit codes: 0 reached the target step, 1 failed,
@@ -122,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="run the quickstart job locally and say where its checkpoints went")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     demo.set_defaults(fn=cmd_demo)
+    from trainers.sweep import EXAMPLES as SWEEP_EXAMPLES, add_sweep_args, cmd_sweep
+
+    sweep = sub.add_parser("sweep", help="search hyperparameters with Ray Tune; every trial is a full job",
+                           epilog=SWEEP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_args(sweep)
+    sweep.set_defaults(fn=cmd_sweep)
     storage = sub.add_parser("storage", help="set up object storage for checkpoints")
     storage_sub = storage.add_subparsers(dest="storage_command", required=True)
     init = storage_sub.add_parser(

@@ -332,9 +332,9 @@ def _nested_models(ann: Any) -> list[type[BaseModel]]:
     return [m for arg in typing.get_args(ann) for m in _nested_models(arg)]
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
+def _model_at(loc: tuple, root: type[BaseModel]) -> type[BaseModel] | None:
     """The model class that holds the field at ``loc`` (for listing valid keys)."""
-    model: type[BaseModel] = JobSpec
+    model = root
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         nested = _nested_models(field.annotation) if field else []
@@ -342,6 +342,26 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
             return None
         model = nested[0]
     return model
+
+
+def key_problem(dotted: str) -> str | None:
+    """None when ``dotted`` names a spec field (or a key inside a free-form mapping), else why not."""
+    model: type[BaseModel] = JobSpec
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        where = ".".join(parts[:i]) or "the job spec"
+        if field is None:
+            return f"no {part!r} in {where}: valid keys there are {', '.join(model.model_fields)}"
+        if i == len(parts) - 1:
+            return None
+        if typing.get_origin(field.annotation) is dict:
+            return None  # options mappings take any key
+        nested = _nested_models(field.annotation)
+        if not nested:
+            return f"{'.'.join(parts[:i + 1])} is a value, not a section: remove {'.'.join(parts[i + 1:])!r}"
+        model = nested[0]
+    return None
 
 
 FIXES = {
@@ -365,17 +385,17 @@ FIXES = {
 }
 
 
-def format_errors(exc: ValidationError) -> list[str]:
-    """Turn pydantic's errors into ``path: value: problem: fix`` lines."""
+def format_errors(exc: ValidationError, root: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Turn pydantic's errors into ``path: value: problem: fix`` lines (paths under ``prefix``)."""
     lines = []
     for err in exc.errors():
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("int", "range"))))
-        path = ".".join(str(p) for p in loc) or "(top level)"
+        path = ".".join(str(p) for p in (prefix.split(".") if prefix else []) + list(loc)) or "(top level)"
         value = err.get("input")
         shown = json.dumps(value, default=str) if not isinstance(value, dict) or len(str(value)) < 80 else "{...}"
         kind = err["type"]
         if kind == "extra_forbidden":
-            holder = _model_at(loc)
+            holder = _model_at(loc, root or JobSpec)
             valid = ", ".join(holder.model_fields) if holder else "see the documentation"
             lines.append(f"{path}: unknown key: valid keys here are {valid}")
             continue
@@ -451,17 +471,30 @@ def validate(data: dict) -> JobSpec:
 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     """Load, override and validate a spec file; the job name defaults to the file's stem."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise SpecError([f"{path}: cannot read: {exc.strerror}: check the path"]) from None
-    except UnicodeDecodeError:
-        raise SpecError([f"{path}: not text: a job spec is JSON or YAML"]) from None
-    data = parse_text(text, str(path))
+    data = read_spec_file(path)
     if "name" not in data:
-        data["name"] = default_name(path.stem)
+        data["name"] = default_name(Path(str(path)).stem)
     return validate(apply_overrides(data, overrides or []))
+
+
+def read_spec_file(path: str | Path) -> dict:
+    """Parse a spec file: a local path, or a URI in storage (s3://bucket/key) as the service writes."""
+    where = str(path)
+    try:
+        if "://" in where:
+            from cluster.storage import open_root
+
+            parent, _, leaf = where.rpartition("/")
+            raw = open_root(parent).read_bytes(leaf)
+        else:
+            raw = Path(where).read_bytes()
+        text = raw.decode()
+    except (OSError, ValueError) as exc:
+        if isinstance(exc, UnicodeDecodeError):
+            raise SpecError([f"{where}: not text: a job spec is JSON or YAML"]) from None
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise SpecError([f"{where}: cannot read: {reason}: check the path"]) from None
+    return parse_text(text, where)
 
 
 def default_name(stem: str) -> str:

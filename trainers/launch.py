@@ -119,7 +119,8 @@ def run_paths(spec: JobSpec, root: StorageRoot) -> tuple[str, str]:
 
 
 def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: str,
-                  stop_at_step: int | None, run_id: str = "", previous_failure: str | None = None) -> TorchTrainer:
+                  stop_at_step: int | None, run_id: str = "", previous_failure: str | None = None,
+                  callbacks: tuple = ()) -> TorchTrainer:
     from trainers.loop import train_loop_per_worker
 
     storage_path, run_name = run_paths(spec, root)
@@ -145,7 +146,7 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
                                      resources_per_worker=d.resources_per_worker,
                                      elastic_resize_monitor_interval_s=d.resize_check_interval_s),
         run_config=RunConfig(
-            name=run_name, storage_path=storage_path, storage_filesystem=root.fs,
+            name=run_name, storage_path=storage_path, storage_filesystem=root.fs, callbacks=list(callbacks),
             # Every failure comes back to run_attempts, which knows a lost node from a user error
             # (Ray would charge both to max_failures). Preemptions too: Ray's in-place restart
             # plans the new group from a node list refreshed only every 20 s and waits for the
@@ -160,11 +161,14 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
     )
 
 
-def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print) -> tuple[int, dict]:
+def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks: tuple = (),
+            data_uri: str | None = None) -> tuple[int, dict]:
     """Run a job to its target (or ``stop_at_step``); return (exit code, summary).
 
     Failures are retried here by kind (see trainers.recovery): a lost node never uses up the
     user's ``max_failures``; every attempt resumes from the newest verified checkpoint.
+    ``callbacks`` go to Ray Train (a sweep passes Tune's); ``data_uri`` skips preparing the
+    data when the caller already did (a sweep prepares once for all its trials).
     """
     started = time.time()
     root = preflight(spec)
@@ -174,9 +178,10 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print) -> tuple[
         runtime = resolve_runtime(spec, ray.cluster_resources().get("GPU", 0))
         for note in runtime.notes:
             say(f"[etrain] note: {note}")
-        data_uri = resolve(spec).prepare(spec, root)
+        data_uri = data_uri or resolve(spec).prepare(spec, root)
         say(f"[etrain] job {spec.name!r}: storage {root.uri_of(spec.name)}, data {data_uri or spec.data.factory}")
-        metrics, checkpoint_uri, error = run_attempts(spec, root, runtime, data_uri, stop_at_step, run_id, say)
+        metrics, checkpoint_uri, error = run_attempts(spec, root, runtime, data_uri, stop_at_step, run_id, say,
+                                                      callbacks)
         c = spec.checkpoint  # the loop prunes as it goes; the last async uploads land after it stops
         ckpt.prune(root.fs, posixpath.join(*run_paths(spec, root)), c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
         summary = make_summary(spec, root, metrics, checkpoint_uri, error, time.time() - started)
@@ -191,7 +196,7 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print) -> tuple[
 
 
 def run_attempts(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: str, stop_at_step: int | None,
-                 run_id: str, say) -> tuple[dict, str | None, BaseException | None]:
+                 run_id: str, say, callbacks: tuple = ()) -> tuple[dict, str | None, BaseException | None]:
     """The one place that carries out retry decisions: fit, classify a failure, retry or stop."""
     ft = spec.fault_tolerance
     user_failures = infra_failures = 0
@@ -200,7 +205,7 @@ def run_attempts(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: s
         if not spec.train_loop:
             forget_ray_snapshot(spec, root)
         try:
-            trainer = build_trainer(spec, root, runtime, data_uri, stop_at_step, run_id, previous)
+            trainer = build_trainer(spec, root, runtime, data_uri, stop_at_step, run_id, previous, callbacks)
             result = trainer.fit()
             if result.metrics:
                 return dict(result.metrics), result.checkpoint and result.checkpoint.path, None

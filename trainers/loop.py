@@ -190,8 +190,11 @@ def train_loop_per_worker(config: dict) -> None:
         loss_total, samples, tokens = window.tolist()
         elapsed = now - window_start
         steady_s = now - steady_start
+        cursor = plan.cursor(done)
+        seen = cursor.epoch * plan.num_samples + cursor.position
         metrics = {
-            "step": done, "target_step": target, "epoch": plan.cursor(done).epoch,
+            "step": done, "target_step": target, "epoch": cursor.epoch,
+            "samples_seen": seen, "epochs_done": seen / plan.num_samples,
             "loss": loss_total / max(samples, 1), "learning_rate": scheduler.get_last_lr()[0],
             "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed,
             "steady_samples_per_s": steady_samples / steady_s if steady_s > 0 and steady_samples else samples / elapsed,
@@ -221,7 +224,7 @@ def train_loop_per_worker(config: dict) -> None:
         if rank == 0:
             directory = tempfile.mkdtemp(prefix="etrain-ckpt-")  # outlives report() for async upload
             state = {
-                "format": ckpt.FORMAT_VERSION, "step": done, "cursor": vars(plan.cursor(done)),
+                "format": ckpt.FORMAT_VERSION, "step": done, "cursor": vars(cursor),
                 "model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                 "world_size": world, "global_batch_size": t.batch_size,

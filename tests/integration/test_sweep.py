@@ -1,0 +1,105 @@
+"""Sweeps on a real local Ray: every trial a real TorchTrainer job under Tune; ASHA; resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainers.config import load_spec
+from trainers.launch import EXIT_OK
+from trainers.sweep import load_sweep, run_sweep
+from waiting import wait_for
+
+pytestmark = pytest.mark.ray
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_asha_sweep_over_batch_lr_and_loader_workers(ray_local, tmp_path):
+    plan = load_sweep(REPO / "configs" / "sweep.yaml", [f"checkpoint.storage_root={tmp_path}"])
+    code, report = run_sweep(plan)
+    assert code == EXIT_OK, report
+    trials = report["trials"]
+    assert len(trials) == 6 and all(t["status"] in ("finished", "stopped early") for t in trials)
+    assert {t["params"]["training.batch_size"] for t in trials} > {64}  # the space was really searched
+    assert len({t["params"]["data.num_workers"] for t in trials}) > 1
+    stopped = [t for t in trials if t["status"] == "stopped early"]
+    assert stopped, "ASHA stopped no trial early"
+    finished_reports = max(t["reports"] for t in trials if t["status"] == "finished")
+    assert all(t["step"] < t["target_step"] and t["reports"] < finished_reports for t in stopped)
+    best = report["best"]
+    assert best["loss"] == min(t["loss"] for t in trials)
+    # The best trial's job spec is ready to run, with the best values and the user's storage.
+    spec = load_spec(report["best_spec"])
+    assert spec.training.learning_rate == best["params"]["training.learning_rate"]
+    assert spec.training.batch_size == best["params"]["training.batch_size"]
+    assert spec.name == "quickstart-sweep-best" and spec.checkpoint.storage_root == str(tmp_path)
+    # Each trial is a job with its own checkpoints and summary under the sweep.
+    jobs = tmp_path / "sweeps" / "quickstart-sweep" / "jobs"
+    for t in trials:
+        summary = json.loads((jobs / f"trial-{t['trial']}" / "summary.json").read_text())
+        assert summary["global_batch_size"] == t["params"]["training.batch_size"]
+        assert summary["status"] in ("succeeded", "stopped"), summary  # a scheduler's stop is no failure
+        if summary["status"] == "succeeded":
+            assert summary["final_step"] == t["step"] == t["target_step"]
+    assert json.loads((tmp_path / "sweeps" / "quickstart-sweep" / "results.json").read_text())["best"] == best
+
+
+def test_sweep_resumes_after_its_driver_dies_without_rerunning_finished_trials(ray_local, tmp_path, capfd):
+    sweep_file = tmp_path / "resume.yaml"
+    sweep_file.write_text(yaml.safe_dump({
+        "name": "resume-sweep", "training": {"batch_size": 64, "max_steps": 40, "learning_rate": 0.01},
+        "distributed": {"num_workers": 1}, "model": {"hidden_size": 32},
+        "checkpoint": {"interval": 10, "min_interval_s": 0, "storage_root": str(tmp_path)},
+        "sweep": {"search": "grid", "scheduler": "fifo", "max_concurrent_trials": 2,
+                  "space": {"training.learning_rate": {"grid": [0.003, 0.01]}, "training.batch_size": {"grid": [32, 64]}}},
+    }))
+    jobs = tmp_path / "sweeps" / "resume-sweep" / "jobs"
+
+    def finished() -> dict[str, float]:
+        done = {}
+        for p in jobs.glob("trial-*/summary.json"):
+            if json.loads(p.read_text())["status"] == "succeeded":
+                done[p.parent.name] = p.stat().st_mtime
+        return done
+
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    log = open(tmp_path / "driver.log", "w")
+    driver = subprocess.Popen([sys.executable, "-m", "trainers.cli", "sweep", str(sweep_file)], cwd=REPO, env=env,
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(finished()) >= 2 or driver.poll() is not None, 300, "two finished trials")
+        time.sleep(3)  # Tune writes its trial states every second (TUNE_GLOBAL_CHECKPOINT_S)
+        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+    finally:
+        driver.kill()  # the driver dies mid-sweep; its trials die with it
+        driver.wait()
+    before = finished()
+    assert 2 <= len(before) < 4
+    midway = {p.parents[2].name for p in jobs.glob("trial-*/checkpoints/checkpoint_*/manifest.json")} - set(before)
+    capfd.readouterr()
+
+    plan = load_sweep(sweep_file)
+    code, report = run_sweep(plan, resume=True)
+    assert code == EXIT_OK, report
+    assert len(report["trials"]) == 4 and all(t["status"] == "finished" for t in report["trials"])
+    after = finished()
+    assert set(after) == {f"trial-{t['trial']}" for t in report["trials"]}
+    for name, mtime in before.items():
+        assert after[name] == mtime, f"{name} ran again"  # its job was not run a second time
+    if midway:  # a trial cut off mid-way continued from its checkpoint instead of starting over
+        assert "resumed from step" in capfd.readouterr().out
+
+
+def test_resume_of_an_unknown_sweep_says_so(ray_local, tmp_path):
+    from trainers.config import SpecError
+
+    plan = load_sweep(REPO / "configs" / "sweep.yaml", [f"checkpoint.storage_root={tmp_path}"])
+    with pytest.raises(SpecError, match="--resume: no sweep 'quickstart-sweep'"):
+        run_sweep(plan, resume=True)

@@ -1,0 +1,157 @@
+"""Sweep files: checked up front with the field path; the pure parts of a sweep table-driven."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainers.config import SpecError
+from trainers.sweep import best_row, load_sweep, render_table, space_problems, trial_spec_data, tune_space
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_sweep(tmp_path: Path, space: dict, **sweep) -> Path:
+    p = tmp_path / "sw.yaml"
+    p.write_text(yaml.safe_dump({
+        "name": "sw", "training": {"batch_size": 64, "max_steps": 10},
+        "distributed": {"num_workers": 2}, "checkpoint": {"storage_root": str(tmp_path / "st")},
+        "sweep": {"space": space, **sweep}}))
+    return p
+
+
+def problems_of(tmp_path, space, **sweep) -> list[str]:
+    with pytest.raises(SpecError) as err:
+        load_sweep(write_sweep(tmp_path, space, **sweep))
+    return err.value.problems
+
+
+def test_example_sweep_loads_over_its_base():
+    plan = load_sweep(REPO / "configs" / "sweep.yaml")
+    assert plan.name == "quickstart-sweep"
+    assert plan.spec.model.name == "mlp" and plan.spec.training.epochs == 5  # from quickstart.yaml
+    assert plan.spec.training.max_steps == 60 and plan.spec.checkpoint.interval == 10  # the sweep file's own
+    assert plan.spec.distributed.num_workers == 1  # workers_per_trial
+    assert set(plan.sweep.space) == {"training.batch_size", "training.learning_rate", "data.num_workers"}
+
+
+BAD_SPACES = [
+    ({"training.batch_size": {"choice": []}}, {}, "sweep.space.training.batch_size.choice: []: empty"),
+    ({"training.learning_rate": {"uniform": [0.1, 0.01]}}, {},
+     "sweep.space.training.learning_rate.uniform: [0.1, 0.01]: low > high: swap them"),
+    ({"training.learning_rate": {"loguniform": [0, 0.1]}}, {}, "log-uniform needs low > 0"),
+    ({"training.batch_sise": {"choice": [32]}}, {},
+     "sweep.space.training.batch_sise: unknown key: no 'batch_sise' in training: valid keys there are batch_size"),
+    ({"traning.batch_size": {"choice": [32]}}, {}, "no 'traning' in the job spec"),
+    ({"training.batch_size.x": {"choice": [32]}}, {}, "training.batch_size is a value, not a section"),
+    ({"training.batch_size": {"choose": [32]}}, {}, "expected exactly one of choice, grid, uniform"),
+    ({"training.batch_size": {"choice": 32}}, {}, "not a list"),
+    ({"training.batch_size": {"randint": [1.5, 8]}}, {}, "randint needs whole numbers"),
+    ({"training.learning_rate": {"loguniform": [1e-4, 1e-1]}}, {"search": "grid"},
+     "a range cannot be enumerated by search: grid"),
+    ({"training.batch_size": {"grid": [32, 64]}}, {"search": "optuna"}, "optuna samples, it does not enumerate"),
+    ({"training.batch_size": {"choice": [1, 64]}}, {},
+     "sweep.space.training.batch_size: 1 makes the job spec invalid: training.batch_size: 1: smaller than the most workers"),
+    ({"training.optimizer": {"choice": ["AdamW", "Lion"]}}, {}, "\"Lion\" makes the job spec invalid"),
+    ({"name": {"choice": ["a", "b"]}}, {}, "sweep.space.name: not searchable"),
+    ({}, {}, "sweep.space: {}: empty"),
+    ({"training.batch_size": {"choice": [32]}}, {"metric": "accuracy"}, "sweep.metric: \"accuracy\""),
+    ({"training.batch_size": {"choice": [32]}}, {"scheduler": "pbt"}, "sweep.scheduler: \"pbt\""),
+    ({"training.batch_size": {"choice": [32]}}, {"num_samples": 0}, "sweep.num_samples: 0: Input should be greater than 0"),
+    ({"training.batch_size": {"choice": [32]}}, {"schedular": "asha"}, "sweep.schedular: unknown key: valid keys here are base, space"),
+]
+
+
+@pytest.mark.parametrize("space,sweep,expected", BAD_SPACES)
+def test_bad_sweeps_fail_with_the_path(tmp_path, space, sweep, expected):
+    problems = problems_of(tmp_path, space, **sweep)
+    assert any(expected in p for p in problems), problems
+
+
+def test_every_space_problem_is_reported_at_once(tmp_path):
+    problems = problems_of(tmp_path, {"training.batch_size": {"choice": []},
+                                      "training.learning_rate": {"loguniform": [0, 1]}})
+    assert len(problems) == 2
+
+
+def test_a_file_without_a_sweep_section_says_what_to_do(tmp_path):
+    p = tmp_path / "job.yaml"
+    p.write_text("training: {batch_size: 8}\n")
+    with pytest.raises(SpecError, match="no 'sweep' section: add one"):
+        load_sweep(p)
+
+
+def test_a_missing_base_names_the_file(tmp_path):
+    p = write_sweep(tmp_path, {"training.batch_size": {"choice": [32]}}, base="nope.yaml")
+    with pytest.raises(SpecError, match="nope.yaml: cannot read"):
+        load_sweep(p)
+
+
+def test_overrides_apply_to_the_base_job(tmp_path):
+    plan = load_sweep(write_sweep(tmp_path, {"training.batch_size": {"choice": [32]}}), ["training.max_steps=3"])
+    assert plan.spec.training.max_steps == 3
+
+
+def test_tune_space_maps_each_domain():
+    from ray.tune.search.sample import Categorical, Float, Integer
+
+    plan_space = {"training.batch_size": {"choice": [32, 64]}, "training.learning_rate": {"loguniform": [1e-4, 1e-1]},
+                  "data.num_workers": {"randint": [0, 2]}, "training.seed": {"grid": [1, 2]}}
+    from trainers.sweep import SweepConfig
+
+    space = tune_space(SweepConfig(space=plan_space))
+    assert isinstance(space["training.batch_size"], Categorical)
+    assert isinstance(space["training.learning_rate"], Float)
+    assert isinstance(space["data.num_workers"], Integer) and space["data.num_workers"].upper == 3  # high included
+    assert space["training.seed"] == {"grid_search": [1, 2]}
+    grid = tune_space(SweepConfig(space={"training.batch_size": {"choice": [32, 64]}}, search="grid"))
+    assert grid["training.batch_size"] == {"grid_search": [32, 64]}
+
+
+def test_trial_values_never_touch_the_base():
+    base = {"training": {"batch_size": 64}}
+    data = trial_spec_data(base, {"training.batch_size": 32, "data.num_workers": 2})
+    assert data == {"training": {"batch_size": 32}, "data": {"num_workers": 2}}
+    assert base == {"training": {"batch_size": 64}}
+
+
+ROWS = [
+    {"trial": "a", "params": {"x": 1}, "status": "finished", "loss": 0.5, "step": 10, "target_step": 10,
+     "samples_per_s": 100.0, "time_s": 1.0},
+    {"trial": "b", "params": {"x": 2}, "status": "stopped early", "loss": 0.3, "step": 4, "target_step": 10,
+     "samples_per_s": 300.0, "time_s": 0.5},
+    {"trial": "c", "params": {"x": 3}, "status": "error", "loss": 0.1, "step": 2, "target_step": 10,
+     "samples_per_s": None, "time_s": 0.2},
+    {"trial": "d", "params": {"x": 4}, "status": "finished", "loss": float("nan"), "step": 10, "target_step": 10,
+     "samples_per_s": 50.0, "time_s": 1.0},
+]
+
+
+@pytest.mark.parametrize("metric,mode,expected", [("loss", "min", "b"), ("loss", "max", "a"),
+                                                  ("samples_per_s", "max", "b"), ("samples_per_s", "min", "d")])
+def test_best_row_ignores_errors_and_nan(metric, mode, expected):
+    assert best_row(ROWS, metric, mode)["trial"] == expected
+
+
+def test_no_scored_trial_means_no_best():
+    assert best_row([ROWS[2]], "loss", "min") is None
+
+
+def test_results_table_has_a_row_per_trial():
+    table = render_table({"metric": "loss", "trials": ROWS})
+    lines = table.splitlines()
+    assert lines[0].split() == ["trial", "x", "status", "step", "loss", "samples/s", "time_s"]
+    assert len(lines) == 5 and "stopped early" in lines[2] and "4/10" in lines[2]
+
+
+def test_cli_refuses_a_bad_sweep_before_ray(tmp_path):
+    p = write_sweep(tmp_path, {"training.batch_size": {"choice": []}})
+    proc = subprocess.run([sys.executable, "-m", "trainers.cli", "sweep", str(p)], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    assert "invalid sweep" in proc.stderr and "sweep.space.training.batch_size.choice: []: empty" in proc.stderr
+    assert not (tmp_path / "st").exists()  # nothing written
