@@ -34,6 +34,7 @@ test-ray: $(STAMP)
 # Side-by-side ratios measured in one run (see bench/); each script also runs on its own.
 bench: $(STAMP)
 	$(PY) bench/preemption.py
+	$(PY) bench/sweep.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

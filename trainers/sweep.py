@@ -362,7 +362,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
         settle_trial_summaries(rows, plan.base, jobs)
         best = best_row(rows, s.metric, s.mode)
         report = {"name": plan.name, "metric": s.metric, "mode": s.mode, "scheduler": s.scheduler,
-                  "wall_time_s": round(time.time() - started, 2), "trials": rows, "best": best,
+                  "started_at": started, "wall_time_s": round(time.time() - started, 2), "trials": rows, "best": best,
                   "storage": root.uri_of(sweep_dir)}
         if best:
             best_data = trial_spec_data(plan.base, best["params"])
@@ -399,8 +399,19 @@ def result_rows(grid, metric: str) -> list[dict]:
             "loss": m.get("loss"), "samples_per_s": m.get("steady_samples_per_s"),
             "time_s": round(m.get("time_total_s") or 0.0, 2),
             "error": None if result.error is None else str(result.error).strip().splitlines()[-1][:300],
+            "history": history(result, metric),
         })
     return sorted(rows, key=lambda r: r["trial"])
+
+
+def history(result, metric: str) -> list[dict]:
+    """Each report of a trial: when (Unix seconds), at which step, the metric and the loss (for curves)."""
+    frame = result.metrics_dataframe
+    if frame is None or frame.empty or "step" not in frame:
+        return []
+    cols = [c for c in dict.fromkeys(["timestamp", "step", TIME_ATTR, metric, "loss"]) if c in frame]
+    return [{k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
+            for row in frame[cols].to_dict("records")]
 
 
 def best_row(rows: list[dict], metric: str, mode: str) -> dict | None:
