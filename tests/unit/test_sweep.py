@@ -155,3 +155,18 @@ def test_cli_refuses_a_bad_sweep_before_ray(tmp_path):
     assert proc.returncode == 2
     assert "invalid sweep" in proc.stderr and "sweep.space.training.batch_size.choice: []: empty" in proc.stderr
     assert not (tmp_path / "st").exists()  # nothing written
+
+
+def test_optuna_suggests_values_inside_the_space():
+    from trainers.sweep import SweepConfig, make_searcher
+
+    sweep = SweepConfig(search="optuna", space={"training.learning_rate": {"loguniform": [1e-4, 1e-2]},
+                                                "training.batch_size": {"choice": [32, 64]},
+                                                "data.num_workers": {"randint": [0, 2]}})
+    searcher = make_searcher(sweep)
+    assert searcher.set_search_properties("loss", "min", tune_space(sweep))
+    for i in range(5):
+        config = searcher.suggest(f"t{i}")
+        assert 1e-4 <= config["training.learning_rate"] <= 1e-2
+        assert config["training.batch_size"] in (32, 64) and config["data.num_workers"] in (0, 1, 2)
+        searcher.on_trial_complete(f"t{i}", {"loss": 1.0 / (i + 1), "training_iteration": 1})
