@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import posixpath
+import signal
 import socket
+import threading
 import tempfile
 import time
 import uuid
@@ -26,7 +28,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, SpecError
-from trainers.recovery import INTERRUPTIONS_FILE, classify_failure, should_retry
+from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, should_retry
 from trainers.workloads import resolve
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_STOPPED = 0, 1, 2, 3
@@ -174,6 +176,9 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
     root = preflight(spec)
     started_ray = ensure_ray(spec.distributed.max_workers)
     run_id = uuid.uuid4().hex[:12]
+    stop_flag = StopFlag(spec.name)
+    stop_flag.clear()  # a stop asked of an earlier run must not stop this one
+    restore_sigterm = stop_on_sigterm(stop_flag, say)
     try:
         runtime = resolve_runtime(spec, ray.cluster_resources().get("GPU", 0))
         for note in runtime.notes:
@@ -188,11 +193,28 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
         summary["interruptions"] = [r for r in read_interruptions(root, spec.name) if r.get("run_id") == run_id]
         root.write_json(summary, spec.name, "summary.json")
     finally:
+        restore_sigterm()
         if started_ray:
             ray.shutdown()
     if summary["status"] == "succeeded":
         return EXIT_OK, summary
     return (EXIT_STOPPED if summary["status"] == "stopped" else EXIT_FAILED), summary
+
+
+def stop_on_sigterm(flag: StopFlag, say):
+    """SIGTERM (`ray job stop`, a process manager) becomes a graceful stop: checkpoint, then exit 3.
+
+    Only the main thread may set handlers (a sweep's trials run elsewhere); returns the undo.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        say("[etrain] SIGTERM: stopping at the next log step with a checkpoint (run again to resume)")
+        flag.request()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def run_attempts(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: str, stop_at_step: int | None,

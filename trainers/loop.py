@@ -33,7 +33,8 @@ from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, batching_summary
 from trainers.data import BatchPlan, PlanSampler, StepMicroBatches, make_loader
-from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, interruption_record
+from trainers.history import MetricsHistory
+from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, StopFlag, interruption_record
 from trainers.workloads import resolve
 
 
@@ -131,6 +132,8 @@ def train_loop_per_worker(config: dict) -> None:
               f"steps {start} -> {stop} of {target}, {plan.steps_per_epoch} per epoch", flush=True)
 
     beats = Heartbeats(spec.name, config.get("run_id") or "", HEARTBEAT_INTERVAL_S) if rank == 0 else None
+    stop_flag = StopFlag(spec.name) if rank == 0 else None
+    history = MetricsHistory(root, spec.name) if rank == 0 else None
     pending = beats.last() if beats else None  # the attempt before this one died at its last beat
 
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config["mixed_precision"])
@@ -139,7 +142,7 @@ def train_loop_per_worker(config: dict) -> None:
     log_every, ckpt_every = t.log_interval_steps, spec.checkpoint.interval
     preempt_every, jit_taken = spec.checkpoint.preemption_check_steps, False
     min_gap_s, last_ckpt_at = spec.checkpoint.min_interval_s, float("-inf")
-    window = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, samples, tokens (this rank)
+    window = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, samples, tokens, stop request
     window_start = time.perf_counter()
     run_start, steady_start, steady_samples = window_start, None, 0
     batches = iter(loader)
@@ -184,10 +187,14 @@ def train_loop_per_worker(config: dict) -> None:
             done % ckpt_every == 0 and checkpoint_due(time.monotonic() - last_ckpt_at, min_gap_s, world, device))
         if not (is_ckpt or done % log_every == 0):
             continue
+        if stop_flag is not None and stop_flag.requested():
+            window[3] = 1.0  # rides on the all-reduce below: every rank learns it at this step
         if world > 1:
             dist.all_reduce(window)
         now = time.perf_counter()
-        loss_total, samples, tokens = window.tolist()
+        loss_total, samples, tokens, stop_votes = window.tolist()
+        stop_now = stop_votes > 0
+        is_ckpt = is_ckpt or stop_now
         elapsed = now - window_start
         steady_s = now - steady_start
         cursor = plan.cursor(done)
@@ -203,6 +210,8 @@ def train_loop_per_worker(config: dict) -> None:
         }
         window.zero_()
         window_start = now
+        if history is not None:
+            history.add(metrics)
         if rank == 0:
             eta = (target - done) / max(1e-9, (done - start) / (now - run_start))
             print(f"[etrain] step {done}/{target} ({100 * done / target:.0f}%) loss {metrics['loss']:.4f} "
@@ -242,9 +251,16 @@ def train_loop_per_worker(config: dict) -> None:
             ckpt.prune(root.fs, run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
         if beats:
             beats.beat(done, world, cause="preemption notice" if preemption else None, force=True)
+        if history is not None:
+            history.flush()
         if preemption is not None:
             jit_taken = True
             wait_out_preemption(preemption, rank, done)
+        if stop_now:
+            if rank == 0:
+                print(f"[etrain] stop requested: stopped at step {done} with a checkpoint; run again to resume",
+                      flush=True)
+            break
 
 
 FAILURE_CAUSES = {"user_error": "user error", "node_lost": "node lost", "preemption": "preemption"}

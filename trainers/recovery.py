@@ -102,3 +102,31 @@ class Heartbeats:
 
         self._last = now
         internal_kv._internal_kv_put(self.key, json.dumps(asdict(Heartbeat(self.run_id, step, now, world_size, cause))))
+
+
+class StopFlag:
+    """A request to stop a job gracefully (final checkpoint, then exit), kept in Ray's GCS KV.
+
+    The service's stop route and `etrain run`'s Ctrl-C set it; rank 0 reads it at log steps
+    and the decision rides on the all-reduce those steps already do, so every rank stops at
+    the same step and checking costs no extra collective. The launcher clears it at start,
+    so a resumed job runs on.
+    """
+
+    def __init__(self, job: str):
+        self.key = f"etrain/{job}/stop".encode()
+
+    def request(self) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(self.key, str(time.time()).encode())
+
+    def requested(self) -> bool:
+        from ray.experimental import internal_kv
+
+        return internal_kv._internal_kv_exists(self.key)
+
+    def clear(self) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self.key)

@@ -227,3 +227,32 @@ def test_retention_never_breaks_a_resume_or_a_rerun(ray_local, tmp_path):
     assert code == EXIT_OK and rest["final_step"] == 12, rest
     code, again = run_job(spec)  # a finished job reports its summary again
     assert code == EXIT_OK and again["final_step"] == 12 and again["final_loss"] == rest["final_loss"], again
+
+
+def test_a_stop_request_ends_the_job_with_a_checkpoint_and_a_rerun_resumes(ray_local, tmp_path):
+    import threading
+
+    from trainers.history import read_history
+    from trainers.recovery import StopFlag
+    from waiting import wait_for
+
+    spec = digits_spec(tmp_path, "stop-me", max_steps=3000)
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))))
+    runner.start()
+    wait_for(lambda: list((tmp_path / "stop-me" / "checkpoints").glob("checkpoint_*/manifest.json")), 180,
+             "a first checkpoint")
+    StopFlag("stop-me").request()
+    runner.join(180)
+    summary = result["summary"]
+    assert result["code"] == EXIT_STOPPED and summary["status"] == "stopped", summary
+    stopped_at = summary["final_step"]
+    assert 0 < stopped_at < 3000 and stopped_at % spec.training.log_interval_steps == 0
+    assert summary["checkpoint_uri"].endswith(ckpt.dir_name(stopped_at))  # the final checkpoint is the stop's
+    rows = read_history(open_root(str(tmp_path)), "stop-me")
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(steps) and steps[-1] == stopped_at and {"loss", "samples_per_s", "time"} <= set(rows[-1])
+
+    code, summary = run_job(spec)  # the flag is cleared at start: the job runs on to its target
+    assert code == EXIT_OK and summary["final_step"] == 3000
+    assert [r["step"] for r in read_history(open_root(str(tmp_path)), "stop-me")][-1] == 3000

@@ -1,0 +1,54 @@
+"""A job's step metrics over time, kept in storage for the API, the web page and TensorBoard.
+
+Rank 0 buffers a row at every log step and writes the buffer as one small file per
+checkpoint (``<job>/metrics/<first step>-<last step>.jsonl``), so a run writes O(steps)
+bytes in all and nothing is appended in place (S3 cannot append). Steps re-done after an
+interruption appear twice; readers keep the row written last.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from cluster.storage import StorageRoot
+
+HISTORY_DIR = "metrics"
+ROW_KEYS = ("step", "epochs_done", "loss", "learning_rate", "samples_per_s", "tokens_per_s", "world_size",
+            "data_wait_fraction", "step_time_s")
+
+
+class MetricsHistory:
+    def __init__(self, root: StorageRoot, job: str):
+        self.root, self.job = root, job
+        self.rows: list[dict] = []
+
+    def add(self, metrics: dict) -> None:
+        self.rows.append({"time": time.time(), **{k: metrics[k] for k in ROW_KEYS if k in metrics}})
+
+    def flush(self) -> None:
+        """Write the rows since the last flush as one file; called at checkpoints and at the end."""
+        if not self.rows:
+            return
+        name = f"{self.rows[0]['step']:010d}-{self.rows[-1]['step']:010d}-{int(self.rows[-1]['time'] * 1000)}.jsonl"
+        self.root.write_bytes("".join(json.dumps(r) + "\n" for r in self.rows).encode(), self.job, HISTORY_DIR, name)
+        self.rows = []
+
+
+def read_history(root: StorageRoot, job: str) -> list[dict]:
+    """Every recorded step of a job, in step order; a step recorded twice keeps its latest row."""
+    import pyarrow.fs as pafs
+
+    if not root.exists(job, HISTORY_DIR):
+        return []
+    infos = root.fs.get_file_info(pafs.FileSelector(root.path(job, HISTORY_DIR)))
+    by_step: dict[int, dict] = {}
+    for info in sorted(infos, key=lambda i: i.path):
+        if not info.path.endswith(".jsonl"):
+            continue
+        with root.fs.open_input_stream(info.path) as f:
+            for line in f.read().decode().splitlines():
+                row = json.loads(line)
+                if row["step"] not in by_step or row["time"] >= by_step[row["step"]]["time"]:
+                    by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
