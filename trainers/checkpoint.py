@@ -122,6 +122,31 @@ def find_restore(fs: pafs.FileSystem, run_path: str) -> tuple[Candidate | None, 
     return choose_restore(checked)
 
 
+def list_checkpoints(fs: pafs.FileSystem, run_path: str) -> list[dict]:
+    """Every checkpoint folder, oldest first: step, path, whether its manifest exists, its metrics and size.
+
+    Reads manifests only (no hashing), so listing is cheap; restore still verifies in full.
+    """
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(run_path, recursive=False, allow_not_found=True))
+    except FileNotFoundError:
+        return []
+    out = []
+    for info in infos:
+        step = step_of(posixpath.basename(info.path))
+        if info.type != pafs.FileType.Directory or step is None:
+            continue
+        try:
+            with fs.open_input_stream(posixpath.join(info.path, MANIFEST)) as f:
+                manifest = json.loads(f.read())
+        except (OSError, ValueError):
+            manifest = None
+        out.append({"step": step, "path": info.path, "complete": manifest is not None,
+                    "metrics": (manifest or {}).get("metrics", {}),
+                    "size_bytes": sum(m["size"] for m in (manifest or {}).get("files", {}).values())})
+    return sorted(out, key=lambda c: c["step"])
+
+
 def load_state(fs: pafs.FileSystem, path: str, map_location: str | torch.device = "cpu") -> dict:
     with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
         state_file = json.loads(f.read())["state_file"]

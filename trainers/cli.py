@@ -112,6 +112,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser, _ = build_parser()
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The `etrain` parser with the training commands; service.cli adds the service's."""
     parser = argparse.ArgumentParser(
         prog="etrain", description="Elastic, spot-tolerant PyTorch DDP training on Ray.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     spot.add_argument("--rebalance-deadline-s", type=int, default=120, help="drain deadline for a rebalance")
     spot.add_argument("--sigterm-deadline-s", type=int, default=25, help="drain deadline after SIGTERM")
     spot.set_defaults(fn=cmd_spot_watch)
-    args = parser.parse_args(argv)
-    return args.fn(args)
+    return parser, sub
 
 
 if __name__ == "__main__":

@@ -172,7 +172,12 @@ def space_problems(sweep: SweepConfig, base: dict) -> list[str]:
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepPlan:
     """Read a sweep file (and its base), apply ``--set`` overrides to the job part, check it all."""
-    data = read_spec_file(path)
+    return plan_from_data(read_spec_file(path), str(path), overrides)
+
+
+def plan_from_data(data: dict, path: str, overrides: list[str] | None = None) -> SweepPlan:
+    """Check a parsed sweep file; ``path`` names it in errors and anchors a relative ``base``."""
+    data = copy.deepcopy(data)
     raw = data.pop("sweep", None)
     if raw is None:
         raise SpecError([f"{path}: no 'sweep' section: add one (see configs/sweep.yaml), or use `etrain run` for a job"])

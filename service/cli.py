@@ -1,0 +1,271 @@
+"""`etrain`: the training commands (trainers.cli) plus the service: serve, submit, jobs, sweeps."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+
+from trainers.cli import build_parser
+from trainers.config import SpecError, apply_overrides, read_spec_file
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+CLIENT_EXAMPLES = """examples:
+  etrain serve                                   # prints an admin token once
+  export ETRAIN_SERVER=http://127.0.0.1:8000 ETRAIN_TOKEN=et_...
+  etrain submit configs/quickstart.yaml          # a spec with a 'sweep' section goes to /v1/sweeps
+  etrain jobs list --state RUNNING
+  etrain jobs logs j-0123456789ab --follow
+  etrain jobs stop j-0123456789ab                # final checkpoint, then stop
+  etrain jobs resume j-0123456789ab
+"""
+
+
+# ---------------------------------------------------------------- serve
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.storage import default_root, open_root
+    from service.app import JobService
+    from service.auth import TokenConfigError, bootstrap_admin, load_tokens
+    from service.jobs import ServiceSettings
+    from trainers.launch import ensure_ray
+
+    storage_root = args.storage_root or default_root()
+    try:
+        entries = load_tokens(args.tokens)
+    except TokenConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    started_ray = ensure_ray(args.cpus)
+    if started_ray and args.detach:
+        print("error: --detach needs a running cluster (ray start / ray up): this Ray would stop with this "
+              "process", file=sys.stderr)
+        ray.shutdown()
+        return 2
+    printed = None
+    if not entries:
+        entries, printed = bootstrap_admin(open_root(storage_root).sub("service"))
+    dashboard = args.dashboard_url or _dashboard_url()
+    settings = ServiceSettings(storage_root=storage_root, ray_dashboard_url=dashboard,
+                               max_active_per_tenant=args.quota, stop_wait_s=args.stop_wait_s)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(JobService.bind(settings.model_dump(), [e.model_dump(exclude={"token"}) for e in entries]),
+              name="etrain", route_prefix="/", blocking=False)
+    url = f"http://{args.host}:{args.port}"
+    print(f"[etrain] service at {url} (API under /v1, docs at {url}/docs); storage {storage_root}")
+    if printed:
+        print(f"[etrain] admin token (shown once; only its hash is kept): {printed}")
+        print(f"[etrain]   export ETRAIN_SERVER={url} ETRAIN_TOKEN={printed}")
+    if args.detach:
+        return 0
+    stop = {"now": False}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.update(now=True))
+    while not stop["now"]:
+        time.sleep(0.5)
+    serve.shutdown()
+    if started_ray:
+        ray.shutdown()
+    return 0
+
+
+def _dashboard_url() -> str:
+    """The Jobs API address of the Ray this process is connected to."""
+    from ray._private.worker import get_dashboard_url  # Ray has no public getter once connected
+
+    url = get_dashboard_url()
+    return url if url.startswith("http") else f"http://{url}"
+
+
+# ---------------------------------------------------------------- client
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: dict):
+        self.status, self.body = status, body
+        super().__init__(f"{status}: {body.get('detail')}")
+
+    def render(self) -> str:
+        lines = [f"error {self.status}: {self.body.get('detail')}"]
+        lines += [f"  - {p}" for p in self.body.get("problems") or []]
+        return "\n".join(lines)
+
+
+class Client:
+    """The service over HTTP, retrying connection errors and 5xx (submits keep one Idempotency-Key)."""
+
+    def __init__(self, server: str, token: str | None, retries: int = 4):
+        self.server, self.token, self.retries = server.rstrip("/"), token, retries
+
+    def call(self, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+             params: dict | None = None, stream: bool = False):
+        import requests
+
+        hdrs = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        hdrs.update(headers or {})
+        for attempt in range(self.retries + 1):
+            try:
+                resp = requests.request(method, self.server + path, json=body, headers=hdrs, params=params,
+                                        timeout=60, stream=stream)
+            except requests.ConnectionError:
+                if attempt == self.retries:
+                    raise
+                time.sleep(0.5 * 2 ** attempt)
+                continue
+            if resp.status_code >= 500 and attempt < self.retries:
+                time.sleep(0.5 * 2 ** attempt)
+                continue
+            if resp.status_code >= 400:
+                try:
+                    raise ApiError(resp.status_code, resp.json())
+                except ValueError:
+                    raise ApiError(resp.status_code, {"detail": resp.text[:500]}) from None
+            return resp
+        raise AssertionError("unreachable")
+
+
+def client_of(args: argparse.Namespace) -> Client:
+    return Client(args.server or os.environ.get("ETRAIN_SERVER", DEFAULT_SERVER),
+                  args.token or os.environ.get("ETRAIN_TOKEN"))
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    try:
+        data = apply_overrides(read_spec_file(args.spec), args.overrides)
+    except SpecError as exc:
+        print(exc.render(f"spec {args.spec}"), file=sys.stderr)
+        return 2
+    data.setdefault("name", os.path.splitext(os.path.basename(args.spec))[0])
+    plural = "sweeps" if "sweep" in data else "jobs"
+    key = args.idempotency_key or uuid.uuid4().hex
+    try:
+        record = client_of(args).call("POST", f"/v1/{plural}", data, {"Idempotency-Key": key}).json()
+    except ApiError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 2 if exc.status == 422 else 1
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        print(f"[etrain] {record['kind']} {record['id']} ({record['name']}): {record['state']}")
+        print(f"[etrain] follow it: etrain {plural} logs {record['id']} --follow")
+    return 0
+
+
+def cmd_records(args: argparse.Namespace) -> int:
+    c, plural = client_of(args), args.plural
+    try:
+        if args.action == "list":
+            params = {"state": args.state} if args.state else None
+            out = c.call("GET", f"/v1/{plural}", params=params).json()
+            return _show(args, out, lambda: table(out["items"]))
+        if args.action == "logs":
+            resp = c.call("GET", f"/v1/{plural}/{args.id}/logs", params={"tail": args.tail, "follow": args.follow},
+                          stream=args.follow)
+            for chunk in resp.iter_content(chunk_size=None, decode_unicode=True):
+                print(chunk, end="", flush=True)
+            return 0
+        if args.action in ("stop", "resume"):
+            out = c.call("POST", f"/v1/{plural}/{args.id}/{args.action}").json()
+            return _show(args, out, lambda: f"[etrain] {out['kind']} {out['id']}: {out['state']}")
+        if args.action == "checkpoints":
+            out = c.call("GET", f"/v1/{plural}/{args.id}/checkpoints").json()
+            return _show(args, out, lambda: "\n".join(
+                f"{c_['step']:>8}  {'ok ' if c_['complete'] else 'partial'}  {c_['size_bytes']:>10}  {c_['uri']}"
+                for c_ in out) or "(no checkpoints yet)")
+        if args.action == "metrics":
+            out = c.call("GET", f"/v1/{plural}/{args.id}/metrics").json()
+            return _show(args, out, lambda: "\n".join(
+                f"step {r['step']:>7}  loss {r.get('loss', float('nan')):.4f}  {r.get('samples_per_s', 0):.0f} samples/s"
+                for r in out["rows"]) or "(no metrics yet)")
+        out = c.call("GET", f"/v1/{plural}/{args.id}").json()
+        return _show(args, out, lambda: table([out]))
+    except ApiError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 1
+
+
+def _show(args: argparse.Namespace, out, render) -> int:
+    print(json.dumps(out, indent=2) if args.json else render())
+    return 0
+
+
+def table(records: list[dict]) -> str:
+    if not records:
+        return "(none)"
+    rows = [("ID", "NAME", "TENANT", "STATE", "STEP", "UPDATED")]
+    for r in records:
+        p = r.get("progress") or {}
+        step = f"{p.get('step')}/{p.get('target_step')}" if p.get("step") is not None else "-"
+        rows.append((r["id"], r["name"], r["tenant"], r["state"], step,
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["updated_at"]))))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", help=f"service URL (default: $ETRAIN_SERVER or {DEFAULT_SERVER})")
+    p.add_argument("--token", help="bearer token (default: $ETRAIN_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print the API's JSON (for scripts)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, sub = build_parser()
+    serve_p = sub.add_parser(
+        "serve", help="run the job service (Ray Serve + FastAPI) on the current Ray cluster",
+        description="Deploys the HTTP service. Tokens: --tokens FILE or $ETRAIN_TOKENS, a JSON/YAML list of "
+                    "{tenant, role: admin|user, sha256: <hex of the token>}; with none, an admin token is made "
+                    "and printed once.", epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve_p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve_p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve_p.add_argument("--storage-root", help="where records, specs and jobs live (default: $ETRAIN_STORAGE_ROOT "
+                                                "or ~/etrain-storage)")
+    serve_p.add_argument("--tokens", help="token file (see above)")
+    serve_p.add_argument("--quota", type=int, default=4, help="unfinished jobs and sweeps per tenant (default 4)")
+    serve_p.add_argument("--stop-wait-s", type=float, default=120.0,
+                         help="graceful stop: seconds to wait for the final checkpoint before Ray's stop")
+    serve_p.add_argument("--dashboard-url", help="Ray Jobs API URL (default: the connected cluster's dashboard)")
+    serve_p.add_argument("--cpus", type=int, default=4, help="logical CPUs of a local Ray this starts (default 4)")
+    serve_p.add_argument("--detach", action="store_true", help="deploy and exit (needs a running cluster)")
+    serve_p.set_defaults(fn=cmd_serve)
+
+    submit = sub.add_parser("submit", help="submit a job or sweep spec to the service",
+                            epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    submit.add_argument("spec", help="job or sweep spec file (JSON or YAML)")
+    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a spec field (repeatable; values read as YAML)")
+    submit.add_argument("--idempotency-key", help="reuse to make a retried submit safe (default: a new one)")
+    add_client_args(submit)
+    submit.set_defaults(fn=cmd_submit)
+
+    for plural in ("jobs", "sweeps"):
+        p = sub.add_parser(plural, help=f"list, inspect, stop and resume {plural} on the service",
+                           epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        actions = p.add_subparsers(dest="action", required=True)
+        lst = actions.add_parser("list", help=f"your {plural} (an admin sees every tenant's)")
+        lst.add_argument("--state", choices=["PENDING", "RUNNING", "STOPPING", "STOPPED", "SUCCEEDED", "FAILED"])
+        add_client_args(lst)
+        for action, text in (("get", "one record: state history, attempts, summary"),
+                             ("logs", "the latest attempt's log"), ("stop", "final checkpoint, then stop"),
+                             ("resume", "continue from the newest checkpoint"),
+                             ("checkpoints", "checkpoints in storage"), ("metrics", "step metrics over time")):
+            a = actions.add_parser(action, help=text)
+            a.add_argument("id")
+            if action == "logs":
+                a.add_argument("--tail", type=int, default=200, help="last N lines (default 200)")
+                a.add_argument("--follow", action="store_true", help="keep streaming new lines")
+            add_client_args(a)
+        p.set_defaults(fn=cmd_records, plural=plural)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

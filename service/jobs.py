@@ -1,0 +1,321 @@
+"""Jobs and sweeps as Ray Jobs: submit, follow, stop gracefully, resume, reconcile with Ray.
+
+Each record runs as Ray Jobs submissions whose entrypoint is a fixed argument list
+(``<python> -m trainers.train <spec URI>``); user text never reaches a shell. The
+submission id is ``etrain-<record id>-<attempt>``, so a submission repeated after a crash
+is refused by Ray instead of running twice. Ray's job table dies with the head node; our
+records do not: a record whose Ray job vanished is resubmitted, and it resumes from its
+newest checkpoint like any job.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import threading
+import time
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from cluster.storage import StorageRoot, open_root
+from service.store import ACTIVE, TERMINAL, Record, Store, new_id
+from trainers import checkpoint as ckpt
+from trainers.config import SpecError, validate
+from trainers.history import read_history
+from trainers.recovery import StopFlag
+
+ENTRY_MODULES = {"job": "trainers.train", "sweep": "trainers.sweep"}
+
+
+class ServiceSettings(BaseModel):
+    """How the service runs; `etrain serve` fills it from flags and the environment."""
+
+    storage_root: str
+    ray_dashboard_url: str = Field(description="Ray's dashboard (Jobs API) URL, e.g. http://127.0.0.1:8265")
+    python: str = Field(default_factory=lambda: sys.executable, description="interpreter for job entrypoints")
+    max_body_bytes: int = Field(1 << 20, gt=0)
+    max_active_per_tenant: int = Field(4, ge=0, description="jobs and sweeps not yet finished, per tenant")
+    tenant_quotas: dict[str, int] = Field(default_factory=dict, description="per-tenant override of the quota")
+    stop_wait_s: float = Field(120.0, gt=0, description="graceful stop: wait this long for the final checkpoint")
+    reconcile_interval_s: float = Field(5.0, gt=0)
+    tokens_file: str | None = None
+
+
+class QuotaExceeded(Exception):
+    pass
+
+
+class Conflict(Exception):
+    pass
+
+
+def reconcile_decision(state: str, ray_status: str | None, outcome: str | None) -> tuple[str, bool]:
+    """(next state, resubmit?) from Ray's view of the latest attempt and the run's own summary.
+
+    ``ray_status`` None means Ray does not know the submission (the head restarted, or it was
+    never sent); ``outcome`` is the status in the run's summary (succeeded/stopped/failed).
+    """
+    if state in TERMINAL:
+        return state, False
+    if ray_status is None:
+        return ("STOPPED", False) if state == "STOPPING" else ("RUNNING", True)
+    if ray_status in ("PENDING", "RUNNING"):
+        return ("STOPPING" if state == "STOPPING" else "RUNNING"), False
+    if ray_status == "STOPPED" or outcome == "stopped":
+        return "STOPPED", False
+    if ray_status == "SUCCEEDED":
+        return "SUCCEEDED", False
+    return "FAILED", False
+
+
+class JobManager:
+    def __init__(self, settings: ServiceSettings, client=None):
+        from ray.job_submission import JobSubmissionClient
+
+        self.settings = settings
+        self.root = open_root(settings.storage_root)
+        self.store = Store(self.root.sub("service"))
+        self.client = client or JobSubmissionClient(settings.ray_dashboard_url)
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------ where things live
+
+    def tenant_root(self, tenant: str) -> StorageRoot:
+        return self.root.sub("tenants", tenant)
+
+    # ------------------------------------------------------------ submit
+
+    def check_spec(self, kind: str, data: dict, tenant: str, record_id: str) -> tuple[str, dict]:
+        """(the user's name, the spec to run) for a submitted body; SpecError lists every problem."""
+        if not isinstance(data, dict):
+            raise SpecError(["(top level): a spec is a mapping of sections"])
+        name = str(data.get("name") or kind)
+        run = dict(data, name=record_id)
+        run["checkpoint"] = dict(run.get("checkpoint") or {}, storage_root=self.tenant_root(tenant).uri)
+        if kind == "sweep":
+            from trainers.sweep import plan_from_data
+
+            sweep = run.get("sweep")
+            if isinstance(sweep, dict) and sweep.get("base"):
+                raise SpecError([f"sweep.base: {sweep['base']!r}: not available over HTTP: put the job spec's "
+                                 "sections in the same body"])
+            plan_from_data(run, "sweep")
+        else:
+            if "sweep" in run:
+                raise SpecError(["sweep: a job takes no sweep section: POST it to /v1/sweeps"])
+            validate(run)
+        return name, run
+
+    def quota(self, tenant: str) -> int:
+        return self.settings.tenant_quotas.get(tenant, self.settings.max_active_per_tenant)
+
+    def create(self, kind: str, tenant: str, data: dict, idempotency_key: str | None,
+               body_sha256: str) -> tuple[Record, bool]:
+        """Check, store and submit; returns (record, created). A repeated Idempotency-Key returns
+        the record it made the first time (and submits it if a crash cut that short)."""
+        with self._lock:
+            if idempotency_key:
+                bound = self.store.key_binding(tenant, idempotency_key)
+                if bound:
+                    return self._replay(bound, body_sha256), False
+            record_id = new_id(kind)
+            name, run = self.check_spec(kind, data, tenant, record_id)
+            active = sum(r.tenant == tenant and r.state in ACTIVE for r in self.store.all())
+            if active >= self.quota(tenant):
+                raise QuotaExceeded(f"tenant {tenant!r} has {active} unfinished jobs and sweeps, its quota is "
+                                    f"{self.quota(tenant)}: wait for one to finish or stop one")
+            if idempotency_key:
+                bound = self.store.claim_key(tenant, idempotency_key, record_id, body_sha256)
+                if bound["id"] != record_id:
+                    return self._replay(bound, body_sha256), False
+            troot = self.tenant_root(tenant)
+            troot.write_json(run, "specs", f"{record_id}.json")
+            now = time.time()
+            record = Record(id=record_id, kind=kind, tenant=tenant, name=name, spec=run,
+                            spec_uri=troot.uri_of("specs", f"{record_id}.json"),
+                            storage=troot.uri_of(self.run_folder_for(kind, record_id)),
+                            created_at=now, updated_at=now)
+            record.move("PENDING", "submitted")
+            self.store.save(record)
+            return self.submit(record), True
+
+    @staticmethod
+    def run_folder_for(kind: str, record_id: str) -> str:
+        return f"sweeps/{record_id}" if kind == "sweep" else record_id
+
+    def _replay(self, bound: dict, body_sha256: str) -> Record:
+        if bound.get("body_sha256") != body_sha256:
+            raise Conflict("this Idempotency-Key was used with a different body: use a new key for a new job")
+        record = self.store.get(bound["id"])
+        if record is None:
+            raise Conflict("this Idempotency-Key's first request did not finish storing its job: retry with a new key")
+        if not record.submissions:
+            record = self.submit(record)
+        return record
+
+    def entrypoint(self, record: Record, resume: bool) -> str:
+        args = [self.settings.python, "-m", ENTRY_MODULES[record.kind], record.spec_uri]
+        if record.kind == "sweep" and resume:
+            args.append("--resume")
+        return shlex.join(args)  # every word is ours or a storage URI we made, quoted all the same
+
+    def submit(self, record: Record, reason: str = "submitted to Ray") -> Record:
+        """Start the record's next attempt. The submission id is saved before Ray hears of it."""
+        attempt = len(record.submissions)
+        sid = f"etrain-{record.id}-{attempt}"
+        record.submissions.append(sid)
+        self.store.save(record)
+        try:
+            self.client.submit_job(entrypoint=self.entrypoint(record, resume=attempt > 0), submission_id=sid,
+                                   metadata={"etrain_record": record.id, "tenant": record.tenant})
+        except RuntimeError as exc:
+            if "already exists" not in str(exc):
+                record.error = f"Ray refused the submission: {exc}"
+                record.move("FAILED", "submission refused")
+                self.store.save(record)
+                return record
+        record.error = None
+        record.move("RUNNING", reason)
+        self.store.save(record)
+        return record
+
+    # ------------------------------------------------------------ read
+
+    def visible(self, record_id: str, tenant: str, admin: bool) -> Record | None:
+        record = self.store.get(record_id)
+        if record is None or (record.tenant != tenant and not admin):
+            return None
+        return record
+
+    def list(self, kind: str, tenant: str, admin: bool, state: str | None = None) -> list[Record]:
+        return [r for r in self.store.all() if r.kind == kind and (admin or r.tenant == tenant)
+                and (state is None or r.state == state)]
+
+    def logs(self, record: Record, tail_lines: int | None) -> str:
+        if not record.submissions:
+            return ""
+        try:
+            text = self.client.get_job_logs(record.submissions[-1])
+        except RuntimeError:
+            return ""
+        if tail_lines is None:
+            return text
+        return "".join(text.splitlines(keepends=True)[-tail_lines:]) if tail_lines > 0 else ""
+
+    def checkpoints(self, record: Record) -> list[dict]:
+        troot = self.tenant_root(record.tenant)
+        if record.kind == "sweep":
+            jobs = troot.sub("sweeps", record.id, "jobs")
+            return [dict(c, trial=trial, uri=jobs.uri_of(c["path"][len(jobs.base) + 1:]))
+                    for trial in jobs.list_dirs() if trial.startswith("trial-")
+                    for c in ckpt.list_checkpoints(jobs.fs, jobs.path(trial, self._ckpt_folder(record)))]
+        run_path = troot.path(record.id, self._ckpt_folder(record))
+        return [dict(c, uri=troot.uri_of(c["path"][len(troot.base) + 1:]))
+                for c in ckpt.list_checkpoints(troot.fs, run_path)]
+
+    @staticmethod
+    def _ckpt_folder(record: Record) -> str:
+        from trainers.config import JobSpec
+
+        spec = {k: v for k, v in record.spec.items() if k != "sweep"}
+        return JobSpec.model_validate(spec).checkpoint.run_folder
+
+    def metrics(self, record: Record) -> list[dict]:
+        if record.kind == "sweep":
+            return []
+        return read_history(self.tenant_root(record.tenant), record.id)
+
+    def summary_of(self, record: Record) -> dict | None:
+        troot = self.tenant_root(record.tenant)
+        parts = ("sweeps", record.id, "results.json") if record.kind == "sweep" else (record.id, "summary.json")
+        return troot.read_json(*parts) if troot.exists(*parts) else None
+
+    # ------------------------------------------------------------ stop and resume
+
+    def stop(self, record: Record) -> Record:
+        """Graceful: ask for a final checkpoint; Ray's stop (SIGTERM, then SIGKILL) only after stop_wait_s."""
+        with self._lock:
+            record = self.store.get(record.id)
+            if record.state in TERMINAL:
+                raise Conflict(f"{record.kind} {record.id} is already {record.state}: nothing to stop")
+            if record.state == "STOPPING":
+                return record
+            if record.kind == "job":
+                StopFlag(record.id).request()
+            record.move("STOPPING", "stop requested")
+            self.store.save(record)
+        sid = record.submissions[-1] if record.submissions else None
+        if sid:
+            grace = self.settings.stop_wait_s if record.kind == "job" else 0.0
+            threading.Thread(target=self._escalate, args=(record.id, sid, grace), daemon=True).start()
+        return record
+
+    def _escalate(self, record_id: str, sid: str, grace_s: float) -> None:
+        deadline = time.time() + grace_s
+        while time.time() < deadline:
+            if self._ray_status(sid) not in ("PENDING", "RUNNING"):
+                break
+            time.sleep(0.5)
+        else:
+            try:
+                self.client.stop_job(sid)  # SIGTERM, which our driver also turns into a checkpointed stop
+            except RuntimeError:
+                pass
+        self.reconcile_one(record_id)
+
+    def resume(self, record: Record) -> Record:
+        with self._lock:
+            record = self.store.get(record.id)
+            if record.state not in ("STOPPED", "FAILED"):
+                raise Conflict(f"{record.kind} {record.id} is {record.state}: only a STOPPED or FAILED one resumes")
+            active = sum(r.tenant == record.tenant and r.state in ACTIVE for r in self.store.all())
+            if active >= self.quota(record.tenant):
+                raise QuotaExceeded(f"tenant {record.tenant!r} has {active} unfinished jobs and sweeps, its quota "
+                                    f"is {self.quota(record.tenant)}")
+            return self.submit(record, reason="resumed")
+
+    # ------------------------------------------------------------ reconcile
+
+    def _ray_status(self, sid: str) -> str | None:
+        try:
+            return str(self.client.get_job_status(sid).value)
+        except RuntimeError:  # Ray has no such submission (its job table died with the head)
+            return None
+
+    def reconcile_one(self, record_id: str) -> Record | None:
+        with self._lock:
+            record = self.store.get(record_id)
+            if record is None or record.state in TERMINAL:
+                return record
+            ray_status = self._ray_status(record.submissions[-1]) if record.submissions else None
+            summary = self.summary_of(record) if ray_status not in ("PENDING", "RUNNING") else None
+            outcome = (summary or {}).get("status") if record.kind == "job" else None
+            state, resubmit = reconcile_decision(record.state, ray_status, outcome)
+            if summary is not None:
+                record.summary = summary
+            if resubmit:
+                return self.submit(record, reason="Ray lost the job (head restarted?): resubmitted from its checkpoint")
+            if record.move(state, f"Ray says {ray_status}") or summary is not None:
+                self.store.save(record)
+            return record
+
+    def reconcile_all(self) -> None:
+        for record in self.store.all():
+            if record.state not in TERMINAL:
+                self.reconcile_one(record.id)
+
+    def run_reconciler(self, stop: threading.Event) -> None:
+        while not stop.wait(self.settings.reconcile_interval_s):
+            try:
+                self.reconcile_all()
+            except Exception as exc:  # boundary: the timer must outlive one bad poll; the next one retries
+                print(f"[etrain-service] reconcile failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+def public(record: Record) -> dict[str, Any]:
+    """A record as the API shows it (the spec is included; tokens never are in a record)."""
+    data = record.model_dump(mode="json")
+    last = (record.summary or {})
+    data["progress"] = {"step": last.get("final_step"), "target_step": last.get("target_step")}
+    return data

@@ -1,0 +1,168 @@
+"""The job service on a real Ray Serve (127.0.0.1) over a real local Ray running real jobs."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from conftest import free_port
+from waiting import wait_for
+
+pytestmark = pytest.mark.ray
+REPO = Path(__file__).resolve().parents[2]
+TOKENS = {"alice": ("team-a", "user"), "bob": ("team-b", "user"), "root": ("ops", "admin"), "fuzz": ("fuzz", "user")}
+
+
+def token_of(who: str) -> str:
+    return f"tok-{who}-0123456789abcdef"
+
+
+def deploy(settings, tokens: list[dict]) -> None:
+    from ray import serve
+
+    from service.app import JobService
+
+    serve.run(JobService.bind(settings.model_dump(), tokens), name="etrain", route_prefix="/")
+
+
+@pytest.fixture(scope="module")
+def service(ray_local, tmp_path_factory):
+    from ray import serve
+    from ray._private.worker import get_dashboard_url
+
+    from service.auth import TokenEntry
+    from service.jobs import ServiceSettings
+
+    root = tmp_path_factory.mktemp("service-root")
+    settings = ServiceSettings(storage_root=str(root), ray_dashboard_url=f"http://{get_dashboard_url()}",
+                               tenant_quotas={"fuzz": 0}, stop_wait_s=60, reconcile_interval_s=1, max_body_bytes=65536)
+    tokens = [TokenEntry(tenant=t, role=r, token=token_of(w)).model_dump(exclude={"token"})
+              for w, (t, r) in TOKENS.items()]
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    deploy(settings, tokens)
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", root=root, settings=settings, tokens=tokens)
+    serve.delete("etrain")
+    serve.shutdown()
+
+
+def api(svc, method: str, path: str, who: str | None = "alice", **kw) -> requests.Response:
+    headers = kw.pop("headers", {})
+    if who:
+        headers["Authorization"] = f"Bearer {token_of(who)}"
+    return requests.request(method, svc.url + path, headers=headers, timeout=60, **kw)
+
+
+def job_spec(name: str, max_steps: int, workers: int = 1, interval: int = 20) -> dict:
+    return {"name": name, "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": max_steps,
+                                       "log_interval_steps": 10},
+            "distributed": {"num_workers": workers}, "model": {"hidden_size": 32},
+            "checkpoint": {"interval": interval}}
+
+
+def wait_state(svc, job_id: str, states: set[str], timeout_s: float = 240, who: str = "alice") -> dict:
+    def done():
+        r = api(svc, "GET", f"/v1/jobs/{job_id}", who).json()
+        return r if r["state"] in states else None
+    return wait_for(done, timeout_s, f"job {job_id} to reach {states}", poll_s=0.5)
+
+
+def test_submit_run_stop_resume_over_http(service):
+    quick = api(service, "POST", "/v1/jobs", json=job_spec("quick", 30), headers={"Idempotency-Key": "q1"})
+    long_ = api(service, "POST", "/v1/jobs", data=json.dumps(job_spec("long", 200000, workers=2)).encode(),
+                headers={"Content-Type": "application/yaml"})  # YAML is a superset of JSON
+    assert quick.status_code == 201 and long_.status_code == 201, (quick.text, long_.text)
+    quick_id, long_id = quick.json()["id"], long_.json()["id"]
+    assert quick.json()["name"] == "quick" and quick.json()["submissions"] == [f"etrain-{quick_id}-0"]
+
+    done = wait_state(service, quick_id, {"SUCCEEDED", "FAILED"})
+    assert done["state"] == "SUCCEEDED", api(service, "GET", f"/v1/jobs/{quick_id}/logs").text[-3000:]
+    assert done["summary"]["final_step"] == 30 and done["progress"] == {"step": 30, "target_step": 30}
+    checkpoints = api(service, "GET", f"/v1/jobs/{quick_id}/checkpoints").json()
+    assert checkpoints[-1]["step"] == 30 and checkpoints[-1]["complete"] and checkpoints[-1]["size_bytes"] > 0
+    rows = api(service, "GET", f"/v1/jobs/{quick_id}/metrics").json()["rows"]
+    assert [r["step"] for r in rows] == [10, 20, 30] and all(r["loss"] > 0 for r in rows)
+    assert "[etrain] step 30/30" in api(service, "GET", f"/v1/jobs/{quick_id}/logs", params={"tail": 50}).text
+
+    # The long job: stop takes a final checkpoint; resume continues from it.
+    wait_for(lambda: api(service, "GET", f"/v1/jobs/{long_id}/metrics").json()["rows"], 240, "long job's first rows")
+    stopping = api(service, "POST", f"/v1/jobs/{long_id}/stop")
+    assert stopping.status_code == 202 and stopping.json()["state"] == "STOPPING"
+    stopped = wait_state(service, long_id, {"STOPPED", "FAILED"}, 180)
+    assert stopped["state"] == "STOPPED", stopped
+    at = stopped["summary"]["final_step"]
+    assert 0 < at < 200000 and api(service, "GET", f"/v1/jobs/{long_id}/checkpoints").json()[-1]["step"] == at
+    assert api(service, "POST", f"/v1/jobs/{long_id}/stop").status_code == 409  # already stopped: says so
+
+    resumed = api(service, "POST", f"/v1/jobs/{long_id}/resume")
+    assert resumed.status_code == 202 and resumed.json()["submissions"][-1] == f"etrain-{long_id}-1"
+    wait_for(lambda: f"resumed from step {at}" in api(service, "GET", f"/v1/jobs/{long_id}/logs").text, 240,
+             "the resumed attempt to load the stop's checkpoint")
+    wait_for(lambda: api(service, "GET", f"/v1/jobs/{long_id}/metrics").json()["rows"][-1]["step"] > at, 120,
+             "steps after the resume")
+    api(service, "POST", f"/v1/jobs/{long_id}/stop")
+    assert wait_state(service, long_id, {"STOPPED", "FAILED"}, 180)["state"] == "STOPPED"
+
+
+@pytest.mark.parametrize("body,content_type,expected", [
+    ({"training": {"batch_size": -1}}, "application/json", "training.batch_size: -1"),
+    ({"trainng": {}}, "application/json", "trainng: unknown key"),
+    ("training: [1, 2", "application/yaml", "fix the YAML syntax"),
+    ("[1, 2]", "application/json", "top level is list"),
+    ({"sweep": {"space": {}}}, "application/json", "POST it to /v1/sweeps"),
+])
+def test_invalid_specs_get_422_with_field_paths_and_nothing_is_stored(service, body, content_type, expected):
+    before = api(service, "GET", "/v1/jobs", "root").json()["total"]
+    data = body if isinstance(body, str) else json.dumps(body)
+    r = api(service, "POST", "/v1/jobs", data=data.encode(), headers={"Content-Type": content_type})
+    assert r.status_code == 422, r.text
+    assert any(expected in p for p in r.json()["problems"]), r.json()
+    assert api(service, "GET", "/v1/jobs", "root").json()["total"] == before
+    assert not list((service.root / "tenants").glob("*/specs/*.json")) or before > 0
+
+
+def test_invalid_sweep_space_names_the_path(service):
+    body = {"training": {"max_steps": 5}, "sweep": {"space": {"training.batch_size": {"choice": []}}}}
+    r = api(service, "POST", "/v1/sweeps", json=body)
+    assert r.status_code == 422 and "sweep.space.training.batch_size.choice: []: empty" in r.text
+
+
+def test_limits_body_size_quota_and_idempotency(service):
+    big = {"name": "big", "data": {"options": {"pad": "x" * 70000}}}
+    assert api(service, "POST", "/v1/jobs", json=big).status_code == 413
+    r = api(service, "POST", "/v1/jobs", "fuzz", json=job_spec("q", 5))
+    assert r.status_code == 429 and "quota is 0" in r.json()["detail"]
+    key = uuid.uuid4().hex
+    first = api(service, "POST", "/v1/jobs", json=job_spec("once", 5), headers={"Idempotency-Key": key})
+    again = api(service, "POST", "/v1/jobs", json=job_spec("once", 5), headers={"Idempotency-Key": key})
+    assert (first.status_code, again.status_code) == (201, 200) and first.json()["id"] == again.json()["id"]
+    other = api(service, "POST", "/v1/jobs", json=job_spec("other", 5), headers={"Idempotency-Key": key})
+    assert other.status_code == 409 and "different body" in other.json()["detail"]
+    wait_state(service, first.json()["id"], {"SUCCEEDED", "FAILED"})
+
+
+def test_tenants_see_only_their_own(service):
+    a = api(service, "POST", "/v1/jobs", "alice", json=job_spec("mine", 5)).json()["id"]
+    b = api(service, "POST", "/v1/jobs", "bob", json=job_spec("theirs", 5)).json()["id"]
+    assert api(service, "GET", "/v1/jobs", None).status_code == 401
+    assert api(service, "GET", f"/v1/jobs/{a}", None).status_code == 401
+    wrong = requests.get(service.url + "/v1/jobs", headers={"Authorization": "Bearer nope"}, timeout=30)
+    assert wrong.status_code == 401 and wrong.headers["WWW-Authenticate"] == "Bearer"
+    assert requests.get(service.url + "/healthz", timeout=30).status_code == 200  # the one open route
+    for method, path in (("GET", ""), ("GET", "/logs"), ("GET", "/metrics"), ("GET", "/checkpoints"),
+                         ("POST", "/stop"), ("POST", "/resume")):
+        r = api(service, method, f"/v1/jobs/{a}{path}", "bob")
+        assert r.status_code == 404 and a in r.json()["detail"], (path, r.text)
+    assert a not in {j["id"] for j in api(service, "GET", "/v1/jobs", "bob").json()["items"]}
+    assert b in {j["id"] for j in api(service, "GET", "/v1/jobs", "bob").json()["items"]}
+    everyone = {j["id"] for j in api(service, "GET", "/v1/jobs", "root").json()["items"]}
+    assert {a, b} <= everyone
+    assert api(service, "GET", f"/v1/jobs/{a}", "root").json()["tenant"] == "team-a"
+    wait_state(service, a, {"SUCCEEDED", "FAILED"})
+    wait_state(service, b, {"SUCCEEDED", "FAILED"}, who="bob")
