@@ -12,7 +12,7 @@ import hashlib
 import json
 import threading
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ray import serve
@@ -30,6 +30,9 @@ bearer = HTTPBearer(auto_error=False, description="a token from `etrain serve` (
 _state: dict = {}  # this replica's manager and tokens, set when Serve constructs the deployment
 
 ERRORS = {code: {"model": Problem} for code in (401, 404, 409, 413, 422, 429)}
+# A text route's errors are still JSON problems; say so, or OpenAPI would list them as text/plain.
+TEXT_ROUTE_ERRORS = {code: {"description": "a problem", "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/Problem"}}}} for code in ERRORS}
 SPEC_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": {"type": "object", "description": "a job spec (see configs/)"}},
     "application/yaml": {"schema": {"type": "string", "description": "the same spec as YAML"}}}}}
@@ -95,11 +98,14 @@ def add_routes(kind: str) -> None:
     plural = f"{kind}s"
     base = f"/v1/{plural}"
 
-    @app.post(base, response_model=RecordOut, status_code=201, responses=ERRORS, openapi_extra=SPEC_BODY,
-              tags=[plural], operation_id=f"submit_{kind}", summary=f"Submit a {kind} spec (JSON or YAML)")
-    async def submit(request: Request, who: Principal = Depends(principal)):
+    @app.post(base, response_model=RecordOut, status_code=201, openapi_extra=SPEC_BODY, tags=[plural],
+              responses={**ERRORS, 200: {"model": RecordOut, "description": "made before by this Idempotency-Key"}},
+              operation_id=f"submit_{kind}", summary=f"Submit a {kind} spec (JSON or YAML)")
+    async def submit(request: Request, who: Principal = Depends(principal),
+                     idempotency_key: str | None = Header(None, max_length=200,
+                                                          description="retry with the same key: never a second job")):
         data, digest = await read_spec_body(request)
-        key = request.headers.get("idempotency-key") or None
+        key = idempotency_key or None
         try:
             record, created = await run_in_threadpool(manager().create, kind, who.tenant, data, key, digest)
         except SpecError as exc:
@@ -123,7 +129,7 @@ def add_routes(kind: str) -> None:
     def get_record(record_id: str, who: Principal = Depends(principal)):
         return public(visible(record_id, who, kind))
 
-    @app.get(base + "/{record_id}/logs", response_class=PlainTextResponse, responses=ERRORS, tags=[plural],
+    @app.get(base + "/{record_id}/logs", response_class=PlainTextResponse, responses=TEXT_ROUTE_ERRORS, tags=[plural],
              operation_id=f"logs_{kind}", summary="The latest attempt's log: the tail, or follow it live")
     async def logs(record_id: str, tail: int = Query(200, ge=0, le=100000), follow: bool = False,
                    who: Principal = Depends(principal)):
