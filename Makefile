@@ -35,6 +35,7 @@ test-ray: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/preemption.py
 	$(PY) bench/sweep.py
+	$(PY) bench/service.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -39,7 +39,9 @@ class ServiceSettings(BaseModel):
     tenant_quotas: dict[str, int] = Field(default_factory=dict, description="per-tenant override of the quota")
     stop_wait_s: float = Field(120.0, gt=0, description="graceful stop: wait this long for the final checkpoint")
     reconcile_interval_s: float = Field(5.0, gt=0)
-    tokens_file: str | None = None
+    entrypoint_resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray resources a job's driver needs, e.g. {'head': 1} to keep drivers "
+                                          "on the on-demand head node, never on a spot worker")
 
 
 class QuotaExceeded(Exception):
@@ -138,7 +140,9 @@ class JobManager:
                             created_at=now, updated_at=now)
             record.move("PENDING", "submitted")
             self.store.save(record)
-            return self.submit(record), True
+        # Outside the lock: Ray's HTTP call need not serialise submits. A racing retry of the same
+        # key submits the same submission id, which Ray refuses: still one job.
+        return self.submit(record), True
 
     @staticmethod
     def run_folder_for(kind: str, record_id: str) -> str:
@@ -168,7 +172,8 @@ class JobManager:
         self.store.save(record)
         try:
             self.client.submit_job(entrypoint=self.entrypoint(record, resume=attempt > 0), submission_id=sid,
-                                   metadata={"etrain_record": record.id, "tenant": record.tenant})
+                                   metadata={"etrain_record": record.id, "tenant": record.tenant},
+                                   entrypoint_resources=self.settings.entrypoint_resources or None)
         except RuntimeError as exc:
             if "already exists" not in str(exc):
                 record.error = f"Ray refused the submission: {exc}"
