@@ -95,6 +95,7 @@ class JobManager:
         name = str(data.get("name") or kind)
         run = dict(data, name=record_id)
         run["checkpoint"] = dict(run.get("checkpoint") or {}, storage_root=self.tenant_root(tenant).uri)
+        run["labels"] = {**(run.get("labels") if isinstance(run.get("labels"), dict) else {}), "tenant": tenant}
         if kind == "sweep":
             from trainers.sweep import plan_from_data
 
@@ -133,6 +134,8 @@ class JobManager:
                     return self._replay(bound, body_sha256), False
             troot = self.tenant_root(tenant)
             troot.write_json(run, "specs", f"{record_id}.json")
+            if kind == "job":  # goodput counts from here, queueing included
+                troot.write_json({"submitted_at": time.time()}, record_id, "job.json")
             now = time.time()
             record = Record(id=record_id, kind=kind, tenant=tenant, name=name, spec=run,
                             spec_uri=troot.uri_of("specs", f"{record_id}.json"),

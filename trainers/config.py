@@ -67,6 +67,11 @@ class LRSchedule(Strict):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
 
 
+class ProfileConfig(Strict):
+    start_step: int = Field(10, ge=0, description="first step traced (after warm-up)")
+    num_steps: int = Field(5, gt=0, le=1000, description="steps traced")
+
+
 class TrainingConfig(Strict):
     batch_size: int = Field(64, gt=0, description="GLOBAL samples per optimizer step, whatever the world size")
     learning_rate: float = Field(1e-3, gt=0)
@@ -84,6 +89,7 @@ class TrainingConfig(Strict):
     seed: int = Field(0, ge=0)
     compile: bool = False
     log_interval_steps: int = Field(10, gt=0)
+    profile: ProfileConfig | None = Field(None, description="a PyTorch profiler trace of rank 0, stored with the job")
 
     @field_validator("optimizer", mode="before")
     @classmethod
@@ -268,6 +274,22 @@ class FaultToleranceConfig(Strict):
         -1, ge=-1, description="retries after preemptions and lost nodes (never charged to max_failures); -1 is unlimited")
 
 
+# Illustrative us-west-2 list prices (USD per hour); set your own in the spec's cost section.
+DEFAULT_PRICES = {
+    "g5.2xlarge": {"on_demand": 1.212, "spot": 0.485},
+    "p4d.24xlarge": {"on_demand": 32.77, "spot": 9.83},
+    "p5.48xlarge": {"on_demand": 98.32, "spot": 39.33},
+    "m6i.2xlarge": {"on_demand": 0.384, "spot": 0.154},
+}
+
+
+class CostConfig(Strict):
+    prices_per_hour: dict[str, dict[Literal["on_demand", "spot"], float]] = Field(
+        default_factory=lambda: dict(DEFAULT_PRICES),
+        description="instance type -> {on_demand, spot} USD per hour; nodes say their type with an "
+                    "'instance_<type>' resource (see ray_cluster.yaml)")
+
+
 class JobSpec(Strict):
     name: str = Field("job", pattern=NAME_PATTERN)
     training: TrainingConfig = TrainingConfig()
@@ -277,6 +299,8 @@ class JobSpec(Strict):
     model: ModelConfig = ModelConfig()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     train_loop: str | None = Field(None, description="'pkg.module:fn': your own Ray Train loop, our settings")
+    cost: CostConfig = Field(default_factory=CostConfig)
+    labels: dict[str, str] = Field(default_factory=dict, description="free-form; 'tenant' labels the metrics")
 
     @field_validator("train_loop")
     @classmethod

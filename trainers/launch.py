@@ -122,7 +122,7 @@ def run_paths(spec: JobSpec, root: StorageRoot) -> tuple[str, str]:
 
 def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: str,
                   stop_at_step: int | None, run_id: str = "", previous_failure: str | None = None,
-                  callbacks: tuple = ()) -> TorchTrainer:
+                  callbacks: tuple = (), submitted_at: float | None = None) -> TorchTrainer:
     from trainers.loop import train_loop_per_worker
 
     storage_path, run_name = run_paths(spec, root)
@@ -142,6 +142,7 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
             "run_path": posixpath.join(storage_path, run_name), "stop_at_step": stop_at_step,
             "mixed_precision": runtime.mixed_precision,
             "run_id": run_id, "previous_failure": previous_failure, "attempt_started_at": time.time(),
+            "submitted_at": submitted_at,
         },
         torch_config=TorchConfig(backend=runtime.backend, timeout_s=d.timeout_s),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=runtime.use_gpu,
@@ -184,9 +185,10 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
         for note in runtime.notes:
             say(f"[etrain] note: {note}")
         data_uri = data_uri or resolve(spec).prepare(spec, root)
+        submitted_at = first_submitted_at(root, spec.name, started)
         say(f"[etrain] job {spec.name!r}: storage {root.uri_of(spec.name)}, data {data_uri or spec.data.factory}")
         metrics, checkpoint_uri, error = run_attempts(spec, root, runtime, data_uri, stop_at_step, run_id, say,
-                                                      callbacks)
+                                                      callbacks, submitted_at)
         c = spec.checkpoint  # the loop prunes as it goes; the last async uploads land after it stops
         ckpt.prune(root.fs, posixpath.join(*run_paths(spec, root)), c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
         summary = make_summary(spec, root, metrics, checkpoint_uri, error, time.time() - started)
@@ -199,6 +201,17 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
     if summary["status"] == "succeeded":
         return EXIT_OK, summary
     return (EXIT_STOPPED if summary["status"] == "stopped" else EXIT_FAILED), summary
+
+
+JOB_FILE = "job.json"
+
+
+def first_submitted_at(root: StorageRoot, job: str, now: float) -> float:
+    """When the job was first submitted (the service records it; else its first run): goodput's clock."""
+    if not root.exists(job, JOB_FILE):
+        root.write_json({"submitted_at": now}, job, JOB_FILE)
+        return now
+    return float(root.read_json(job, JOB_FILE)["submitted_at"])
 
 
 def stop_on_sigterm(flag: StopFlag, say):
@@ -218,7 +231,8 @@ def stop_on_sigterm(flag: StopFlag, say):
 
 
 def run_attempts(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: str, stop_at_step: int | None,
-                 run_id: str, say, callbacks: tuple = ()) -> tuple[dict, str | None, BaseException | None]:
+                 run_id: str, say, callbacks: tuple = (), submitted_at: float | None = None
+                 ) -> tuple[dict, str | None, BaseException | None]:
     """The one place that carries out retry decisions: fit, classify a failure, retry or stop."""
     ft = spec.fault_tolerance
     user_failures = infra_failures = 0
@@ -227,7 +241,8 @@ def run_attempts(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: s
         if not spec.train_loop:
             forget_ray_snapshot(spec, root)
         try:
-            trainer = build_trainer(spec, root, runtime, data_uri, stop_at_step, run_id, previous, callbacks)
+            trainer = build_trainer(spec, root, runtime, data_uri, stop_at_step, run_id, previous, callbacks,
+                                    submitted_at)
             result = trainer.fit()
             if result.metrics:
                 return dict(result.metrics), result.checkpoint and result.checkpoint.path, None
@@ -294,6 +309,8 @@ def make_summary(spec: JobSpec, root: StorageRoot, metrics: dict, checkpoint_pat
         "global_batch_size": spec.training.batch_size, "world_size": metrics.get("world_size"),
         "samples_per_s": metrics.get("steady_samples_per_s"), "final_loss": metrics.get("loss"),
         "train_seconds": metrics.get("train_seconds"), "wall_time_s": round(wall_time_s, 2),
+        "goodput": metrics.get("goodput"), "cost_usd": metrics.get("cost_usd"),
+        "savings_usd": metrics.get("savings_usd"),
         "checkpoint_uri": checkpoint_uri, "storage": root.uri_of(spec.name),
         "interruptions": [], "error": None if error is None else f"{type(error).__name__}: {error}",
     }

@@ -33,7 +33,8 @@ from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, batching_summary
 from trainers.data import BatchPlan, PlanSampler, StepMicroBatches, make_loader
-from trainers.history import MetricsHistory
+from cluster.metrics import node_kind
+from trainers.observe import Observer, group_kinds
 from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, StopFlag, interruption_record
 from trainers.workloads import resolve
 
@@ -100,14 +101,14 @@ def train_loop_per_worker(config: dict) -> None:
         choice = [chosen.path if chosen else None]
     if world > 1:
         dist.broadcast_object_list(choice, src=0)
-    start = 0
+    start, restored = 0, None
     if choice[0]:
         state = ckpt.load_state(root.fs, choice[0])
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        start = state["step"]
+        start, restored = state["step"], state.get("observer")
         if rank == 0:
             print(f"[etrain] resumed from step {start} (saved at world size {state['world_size']}, "
                   f"now {world}; cursor {state['cursor']})", flush=True)
@@ -133,7 +134,13 @@ def train_loop_per_worker(config: dict) -> None:
 
     beats = Heartbeats(spec.name, config.get("run_id") or "", HEARTBEAT_INTERVAL_S) if rank == 0 else None
     stop_flag = StopFlag(spec.name) if rank == 0 else None
-    history = MetricsHistory(root, spec.name) if rank == 0 else None
+    kinds = [(ray.get_runtime_context().get_node_id(), own_node_kind())]
+    if world > 1:  # once per attempt: which nodes the group runs on, for its cost
+        gathered = [None] * world
+        dist.all_gather_object(gathered, kinds[0])
+        kinds = gathered
+    observer = Observer(spec, root, rank, device, config.get("submitted_at") or time.time(), restored,
+                        group_kinds(kinds))
     pending = beats.last() if beats else None  # the attempt before this one died at its last beat
 
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config["mixed_precision"])
@@ -154,7 +161,9 @@ def train_loop_per_worker(config: dict) -> None:
         global_samples = len(plan.global_batch_at(step))
         scale = world / global_samples
         for i in range(len(shares)):
+            waited = time.perf_counter()
             batch = _to_device(next(batches), device)
+            observer.loader_wait(time.perf_counter() - waited)
             sync = contextlib.nullcontext() if (i == len(shares) - 1 or world == 1) else model.no_sync()
             with sync:
                 with autocast():
@@ -171,11 +180,12 @@ def train_loop_per_worker(config: dict) -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         done = step + 1
+        observer.step_done(done)
         if steady_start is None:
             steady_start = time.perf_counter()  # the first step pays for warm-up; measure after it
             if pending is not None:
                 launcher_cause = config.get("previous_failure") if pending.time < config.get("attempt_started_at", 0) else None
-                record_interruption(root, spec.name, pending, start, world, launcher_cause)
+                observer.interruption(record_interruption(root, spec.name, pending, start, world, launcher_cause))
         else:
             steady_samples += global_samples
         if beats:
@@ -210,8 +220,7 @@ def train_loop_per_worker(config: dict) -> None:
         }
         window.zero_()
         window_start = now
-        if history is not None:
-            history.add(metrics)
+        observer.log_step(metrics, elapsed)
         if rank == 0:
             eta = (target - done) / max(1e-9, (done - start) / (now - run_start))
             print(f"[etrain] step {done}/{target} ({100 * done / target:.0f}%) loss {metrics['loss']:.4f} "
@@ -238,21 +247,25 @@ def train_loop_per_worker(config: dict) -> None:
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                 "world_size": world, "global_batch_size": t.batch_size,
                 "rng": {"scheme": "torch.manual_seed(step_seed(seed, step, rank)) each step", "seed": t.seed},
-                "metrics": metrics,
+                "metrics": metrics, "observer": observer.checkpoint_state(),
             }
+            saving = time.perf_counter()
             ckpt.write_local(directory, state, spec.checkpoint.file_name(done), metrics)
+            save_s = time.perf_counter() - saving
             checkpoint = Checkpoint.from_directory(directory)
         # A just-in-time checkpoint must be durable before the node goes: upload it synchronously.
+        reporting = time.perf_counter()
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
                          checkpoint_upload_mode=CheckpointUploadMode.SYNC if preemption else upload_mode)
+        if rank == 0:
+            observer.checkpoint_times(save_s, time.perf_counter() - reporting)
         last_ckpt_at = time.monotonic()
         if rank == 0:
             c = spec.checkpoint
             ckpt.prune(root.fs, run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
         if beats:
             beats.beat(done, world, cause="preemption notice" if preemption else None, force=True)
-        if history is not None:
-            history.flush()
+        observer.flush()
         if preemption is not None:
             jit_taken = True
             wait_out_preemption(preemption, rank, done)
@@ -267,7 +280,7 @@ FAILURE_CAUSES = {"user_error": "user error", "node_lost": "node lost", "preempt
 
 
 def record_interruption(root, job: str, last: Heartbeat, restored_step: int, world: int,
-                        previous_failure: str | None) -> None:
+                        previous_failure: str | None) -> dict:
     """Rank 0, at the first step after a restart: append what the interruption cost to storage."""
     if last.cause is None and previous_failure:
         last = dataclasses.replace(last, cause=FAILURE_CAUSES.get(previous_failure, previous_failure))
@@ -278,6 +291,14 @@ def record_interruption(root, job: str, last: Heartbeat, restored_step: int, wor
     root.write_json([*records, record], job, INTERRUPTIONS_FILE)
     print(f"[etrain] recovered from {record['cause']} in {record['recovery_s']:.1f}s: "
           f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}", flush=True)
+    return record
+
+
+def own_node_kind():
+    """This worker's node: instance type and market, from its custom resources."""
+    node_id = ray.get_runtime_context().get_node_id()
+    resources = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id), {})
+    return node_kind(resources)
 
 
 def checkpoint_due(since_last_s: float, min_gap_s: float, world: int, device: torch.device) -> bool:
