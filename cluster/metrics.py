@@ -51,7 +51,7 @@ class JobMetrics:
     """The gauges and counters of one training worker; rank 0 also reports the job-level ones."""
 
     def __init__(self, job: str, tenant: str, rank: int):
-        from ray.util.metrics import Counter, Gauge
+        from ray.util.metrics import Gauge
 
         self.tags = {"job": job, "tenant": tenant or "-", "rank": str(rank)}
         self.cost_tags = {"job": job, "tenant": tenant or "-"}
@@ -70,9 +70,10 @@ class JobMetrics:
         self.recovery_s = g("recovery_s", "seconds from the last interruption to the next finished step")
         self.gpu_utilization = g("gpu_utilization", "GPU utilisation, 0-1 (NVML)")
         self.gpu_memory_bytes = g("gpu_memory_bytes", "GPU memory allocated by this worker")
-        self.interruptions = Counter("etrain_interruptions", "interruptions (preemption, node lost, user error)",
-                                     tag_keys=JOB_TAGS + ("cause",))
-        self.steps_lost = Counter("etrain_steps_lost", "optimizer steps re-done after interruptions", tag_keys=JOB_TAGS)
+        # Job-lifetime totals as gauges, set by rank 0 from the job's interruption records: they
+        # start at 0 (a panel has data before the first interruption) and survive restarts.
+        self.interruptions = g("interruptions", "interruptions so far (preemption, node lost, user error)")
+        self.steps_lost = g("steps_lost", "optimizer steps re-done after interruptions, so far")
         self.cost = Gauge("etrain_cost_usd", "node cost so far, by instance type and market", tag_keys=COST_TAGS)
         self.savings = Gauge("etrain_savings_usd", "saved against all on-demand, by instance type and market",
                              tag_keys=COST_TAGS)
@@ -84,11 +85,10 @@ class JobMetrics:
             if value is not None:
                 getattr(self, name).set(float(value), tags=self.tags)
 
-    def interruption(self, cause: str, steps_lost: int, recovery_s: float) -> None:
-        self.interruptions.inc(1.0, tags={**self.tags, "cause": cause})
-        if steps_lost:
-            self.steps_lost.inc(float(steps_lost), tags=self.tags)
-        self.set(recovery_s=recovery_s)
+    def interruptions_so_far(self, records: list[dict]) -> None:
+        """Totals from the job's interruption records (rank 0, at start and after each one)."""
+        self.set(interruptions=len(records), steps_lost=sum(r.get("steps_lost", 0) for r in records),
+                 recovery_s=records[-1]["recovery_s"] if records else 0.0)
 
     def set_cost(self, kind: NodeKind, node_hours: float, cost: float, savings: float) -> None:
         tags = {**self.cost_tags, "instance_type": kind.instance_type, "market": kind.market}
@@ -118,7 +118,9 @@ class ServiceMetrics:
 def scrape_config(targets: list[str], discovery_file: str | None = None, interval_s: float = 15.0) -> str:
     """A prometheus.yml scraping Ray's metrics agents: static targets, plus Ray's own service
     discovery file (written on the head at /tmp/ray/prom_metrics_service_discovery.json)."""
-    job: dict = {"job_name": "ray", "scrape_interval": f"{interval_s:g}s"}
+    # honor_labels: our series carry their own `job` label (the training job); without it
+    # Prometheus would rename it exported_job in favour of the scrape job's name.
+    job: dict = {"job_name": "ray", "scrape_interval": f"{interval_s:g}s", "honor_labels": True}
     if targets:
         job["static_configs"] = [{"targets": sorted(targets)}]
     if discovery_file:

@@ -11,13 +11,16 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
+from urllib.parse import parse_qs
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
+from service import web
 from service.auth import Principal, TokenEntry, Tokens
 from service.jobs import Conflict, JobManager, QuotaExceeded, ServiceSettings, public
 from service.schemas import CheckpointOut, Health, MetricsOut, Problem, RecordList, RecordOut
@@ -27,6 +30,7 @@ from trainers.config import SpecError, parse_text
 app = FastAPI(title="elastic-train", version="1",
               description="Submit, watch, stop and resume elastic PyTorch training jobs and sweeps on Ray.")
 bearer = HTTPBearer(auto_error=False, description="a token from `etrain serve` (or your admin)")
+COOKIE = "etrain_token"
 _state: dict = {}  # this replica's manager and tokens, set when Serve constructs the deployment
 
 ERRORS = {code: {"model": Problem} for code in (401, 404, 409, 413, 422, 429)}
@@ -167,6 +171,11 @@ def add_routes(kind: str) -> None:
     def checkpoints(record_id: str, who: Principal = Depends(principal)):
         return manager().checkpoints(visible(record_id, who, kind))
 
+    @app.get(base + "/{record_id}/profiles", response_model=list[str], responses=ERRORS, tags=[plural],
+             operation_id=f"profiles_{kind}", summary="URIs of profiler traces (training.profile)")
+    def profiles(record_id: str, who: Principal = Depends(principal)):
+        return manager().profiles(visible(record_id, who, kind))
+
     @app.get(base + "/{record_id}/metrics", response_model=MetricsOut, responses=ERRORS, tags=[plural],
              operation_id=f"metrics_{kind}", summary="Step metrics over time (loss, throughput, world size)")
     def metrics(record_id: str, who: Principal = Depends(principal)):
@@ -178,10 +187,90 @@ add_routes("job")
 add_routes("sweep")
 
 
+# ---------------------------------------------------------------- request metrics and the web page
+
+
+@app.middleware("http")
+async def _measure(request: Request, call_next):
+    started = time.perf_counter()
+    response = await call_next(request)
+    metrics = _state.get("metrics")
+    if metrics is not None:
+        route = request.scope.get("route")
+        metrics.request(getattr(route, "path", "(unmatched)"), request.method, response.status_code,
+                        time.perf_counter() - started)
+    return response
+
+
+def web_principal(request: Request) -> Principal | None:
+    token = request.query_params.get("token") or request.cookies.get(COOKIE)
+    return _state["tokens"].authenticate(token)
+
+
+def with_cookie(response: HTMLResponse, request: Request) -> HTMLResponse:
+    if request.query_params.get("token"):
+        response.set_cookie(COOKIE, request.query_params["token"], httponly=True, samesite="strict")
+    return response
+
+
+@app.get("/", response_class=HTMLResponse, include_in_schema=False)
+def ui_jobs(request: Request):
+    who = web_principal(request)
+    if who is None:
+        return HTMLResponse(web.login_page(), status_code=401)
+    mgr, rows = manager(), []
+    for kind in ("job", "sweep"):
+        for r in mgr.list(kind, who.tenant, who.is_admin):
+            history = mgr.metrics(r)
+            last = history[-1] if history else {}
+            summary = r.summary or {}
+            rows.append({"id": r.id, "name": r.name, "kind": r.kind, "state": r.state,
+                         "step": last.get("step", summary.get("final_step")),
+                         "target_step": summary.get("target_step") or (r.spec.get("training") or {}).get("max_steps"),
+                         "goodput": last.get("goodput"), "updated_at": r.updated_at})
+    return with_cookie(HTMLResponse(web.jobs_page(who.tenant, rows)), request)
+
+
+@app.post("/ui/login", response_class=HTMLResponse, include_in_schema=False)
+async def ui_login(request: Request):
+    form = parse_qs((await request.body()).decode())
+    token = (form.get("token") or [""])[0]
+    if _state["tokens"].authenticate(token) is None:
+        return HTMLResponse(web.login_page("unknown token"), status_code=401)
+    response = RedirectResponse("/", status_code=303)
+    response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+    return response
+
+
+@app.get("/ui/jobs/{record_id}", response_class=HTMLResponse, include_in_schema=False)
+def ui_job(record_id: str, request: Request):
+    who = web_principal(request)
+    if who is None:
+        return HTMLResponse(web.login_page(), status_code=401)
+    mgr = manager()
+    record = mgr.visible(record_id, who.tenant, who.is_admin)
+    if record is None:
+        return HTMLResponse(web.page("not found", f"<p>no job {record_id!r}</p>"), status_code=404)
+    html_text = web.job_page(public(record), mgr.metrics(record), mgr.interruptions(record),
+                             mgr.checkpoints(record), mgr.logs(record, 80))
+    return with_cookie(HTMLResponse(html_text), request)
+
+
 def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threading.Event:
     """Set this process's manager and start the reconciler (at once, then every interval)."""
+    from cluster.metrics import ServiceMetrics
+
     _state["manager"] = mgr = JobManager(settings, client)
     _state["tokens"] = tokens
+    _state["metrics"] = metrics = ServiceMetrics()
+
+    def count(records: list[Record]) -> None:
+        counts = {(k, s): 0 for k in ("job", "sweep") for s in ("PENDING", "RUNNING", "STOPPING", "STOPPED",
+                                                                   "SUCCEEDED", "FAILED")}
+        for r in records:
+            counts[(r.kind, r.state)] += 1
+        metrics.states(counts)
+    mgr.on_reconciled = count
     stop = threading.Event()
 
     def reconcile() -> None:

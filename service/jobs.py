@@ -80,6 +80,7 @@ class JobManager:
         self.store = Store(self.root.sub("service"))
         self.client = client or JobSubmissionClient(settings.ray_dashboard_url)
         self._lock = threading.RLock()
+        self.on_reconciled = None  # called with every record after each pass (the service's gauges)
 
     # ------------------------------------------------------------ where things live
 
@@ -234,6 +235,17 @@ class JobManager:
             return []
         return read_history(self.tenant_root(record.tenant), record.id)
 
+    def interruptions(self, record: Record) -> list[dict]:
+        from trainers.recovery import INTERRUPTIONS_FILE
+
+        troot = self.tenant_root(record.tenant)
+        return troot.read_json(record.id, INTERRUPTIONS_FILE) if troot.exists(record.id, INTERRUPTIONS_FILE) else []
+
+    def profiles(self, record: Record) -> list[str]:
+        from trainers.observe import profiles_of
+
+        return profiles_of(self.tenant_root(record.tenant), record.id) if record.kind == "job" else []
+
     def summary_of(self, record: Record) -> dict | None:
         troot = self.tenant_root(record.tenant)
         parts = ("sweeps", record.id, "results.json") if record.kind == "sweep" else (record.id, "summary.json")
@@ -312,6 +324,8 @@ class JobManager:
         for record in self.store.all():
             if record.state not in TERMINAL:
                 self.reconcile_one(record.id)
+        if self.on_reconciled:
+            self.on_reconciled(self.store.all())
 
     def run_reconciler(self, stop: threading.Event) -> None:
         while not stop.wait(self.settings.reconcile_interval_s):

@@ -57,6 +57,9 @@ def ray_local(s3_server):
 
     ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
              configure_logging=True, logging_level="WARNING",
+             # Workers hand custom metrics to the node's agent every second (10 s by default), so a
+             # short test run shows up in Prometheus.
+             _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])}})
     yield ray
     ray.shutdown()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from trainers.config import SpecError, load_spec
@@ -111,6 +113,64 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return exit_code(findings)
 
 
+def prometheus_config_text(interval_s: float) -> str:
+    """A scrape config for the Ray this process is connected to: every live node's metrics agent."""
+    import os
+
+    import ray
+
+    from cluster.metrics import scrape_config
+
+    targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes()
+               if n["Alive"] and n.get("MetricsExportPort")]
+    discovery = os.path.join(tempfile.gettempdir(), "ray", "prom_metrics_service_discovery.json")
+    return scrape_config(targets, discovery if os.path.exists(discovery) else None, interval_s)
+
+
+def cmd_prometheus_config(args: argparse.Namespace) -> int:
+    import ray
+
+    from trainers.launch import running_cluster_address
+
+    address = args.address or running_cluster_address()
+    if not address:
+        print("error: no running Ray cluster: start one (ray start --head / ray up) or pass --address",
+              file=sys.stderr)
+        return 1
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        text = prometheus_config_text(args.interval_s)
+    finally:
+        ray.shutdown()
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        print(f"[etrain] wrote {args.out}: prometheus --config.file={args.out}")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_dashboards(args: argparse.Namespace) -> int:
+    from cluster.dashboards import build_dashboards, push, write_provisioning
+
+    boards = build_dashboards(gpu=args.gpu)
+    if args.dashboards_command == "write":
+        for path in write_provisioning(args.directory, boards):
+            print(f"[etrain] wrote {path}")
+        return 0
+    token = args.token or os.environ.get("GRAFANA_TOKEN")
+    if not token:
+        print("error: --token (or GRAFANA_TOKEN): a Grafana service account token with Editor rights", file=sys.stderr)
+        return 2
+    try:
+        for url in push(args.url, token, boards):
+            print(f"[etrain] dashboard: {url}")
+    except Exception as exc:  # boundary: report Grafana's refusal plainly
+        print(f"error: pushing to {args.url} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, _ = build_parser()
     args = parser.parse_args(argv)
@@ -166,6 +226,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     spot.add_argument("--rebalance-deadline-s", type=int, default=120, help="drain deadline for a rebalance")
     spot.add_argument("--sigterm-deadline-s", type=int, default=25, help="drain deadline after SIGTERM")
     spot.set_defaults(fn=cmd_spot_watch)
+    metrics = sub.add_parser("metrics", help="Prometheus: a scrape config for this cluster's metrics agents")
+    metrics_sub = metrics.add_subparsers(dest="metrics_command", required=True)
+    prom = metrics_sub.add_parser(
+        "prometheus-config", help="print (or --out) a prometheus.yml scraping every Ray node's metrics port",
+        description="Job series are ray_etrain_* (loss, throughput, data-wait fraction, goodput, cost...); "
+                    "ray_cluster.yaml pins the metrics port to 8080 on every node.")
+    prom.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or the running local cluster)")
+    prom.add_argument("--interval-s", type=float, default=15.0, help="scrape interval (default 15)")
+    prom.add_argument("--out", help="write to this file instead of printing")
+    prom.set_defaults(fn=cmd_prometheus_config)
+    boards = sub.add_parser("dashboards", help="Grafana dashboards as code: push them, or write file provisioning")
+    boards_sub = boards.add_subparsers(dest="dashboards_command", required=True)
+    push_p = boards_sub.add_parser("push", help="create or update the dashboards in a Grafana (folder elastic-train)")
+    push_p.add_argument("--url", required=True, help="Grafana URL, e.g. http://127.0.0.1:3000")
+    push_p.add_argument("--token", help="service account token (default: $GRAFANA_TOKEN)")
+    write_p = boards_sub.add_parser("write", help="write dashboards + a provisioning file for Grafana to load")
+    write_p.add_argument("directory")
+    for p in (push_p, write_p):
+        p.add_argument("--gpu", action="store_true", help="add GPU utilisation and memory panels (GPU clusters)")
+        p.set_defaults(fn=cmd_dashboards)
     return parser, sub
 
 

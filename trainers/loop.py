@@ -141,6 +141,9 @@ def train_loop_per_worker(config: dict) -> None:
         kinds = gathered
     observer = Observer(spec, root, rank, device, config.get("submitted_at") or time.time(), restored,
                         group_kinds(kinds))
+    if rank == 0:
+        observer.interruptions(root.read_json(spec.name, INTERRUPTIONS_FILE)
+                               if root.exists(spec.name, INTERRUPTIONS_FILE) else [])
     pending = beats.last() if beats else None  # the attempt before this one died at its last beat
 
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config["mixed_precision"])
@@ -185,7 +188,8 @@ def train_loop_per_worker(config: dict) -> None:
             steady_start = time.perf_counter()  # the first step pays for warm-up; measure after it
             if pending is not None:
                 launcher_cause = config.get("previous_failure") if pending.time < config.get("attempt_started_at", 0) else None
-                observer.interruption(record_interruption(root, spec.name, pending, start, world, launcher_cause))
+                record_interruption(root, spec.name, pending, start, world, launcher_cause)
+                observer.interruptions(root.read_json(spec.name, INTERRUPTIONS_FILE))
         else:
             steady_samples += global_samples
         if beats:
@@ -280,7 +284,7 @@ FAILURE_CAUSES = {"user_error": "user error", "node_lost": "node lost", "preempt
 
 
 def record_interruption(root, job: str, last: Heartbeat, restored_step: int, world: int,
-                        previous_failure: str | None) -> dict:
+                        previous_failure: str | None) -> None:
     """Rank 0, at the first step after a restart: append what the interruption cost to storage."""
     if last.cause is None and previous_failure:
         last = dataclasses.replace(last, cause=FAILURE_CAUSES.get(previous_failure, previous_failure))
@@ -291,7 +295,6 @@ def record_interruption(root, job: str, last: Heartbeat, restored_step: int, wor
     root.write_json([*records, record], job, INTERRUPTIONS_FILE)
     print(f"[etrain] recovered from {record['cause']} in {record['recovery_s']:.1f}s: "
           f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}", flush=True)
-    return record
 
 
 def own_node_kind():

@@ -104,8 +104,9 @@ class Observer:
     def checkpoint_times(self, save_s: float, upload_s: float) -> None:
         self.metrics.set(checkpoint_save_s=save_s, checkpoint_upload_s=upload_s)
 
-    def interruption(self, record: dict) -> None:
-        self.metrics.interruption(record["cause"], record["steps_lost"], record["recovery_s"])
+    def interruptions(self, records: list[dict]) -> None:
+        if self.rank == 0:
+            self.metrics.interruptions_so_far(records)
 
     def flush(self) -> None:
         """At checkpoints and at the end: history chunk and TensorBoard events to storage."""

@@ -1,0 +1,147 @@
+"""Metrics maths, dashboards as code (pushed to a recording HTTP server), and the page's charts."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from cluster.dashboards import build_dashboards, panel_queries, push, write_provisioning
+from cluster.metrics import NodeKind, cost_usd, goodput, node_kind, scrape_config
+from service.web import job_page, jobs_page, svg_chart
+from trainers.observe import group_kinds
+
+PRICES = {"g5.2xlarge": {"on_demand": 1.2, "spot": 0.5}}
+
+
+@pytest.mark.parametrize("resources,kind", [
+    ({"CPU": 8, "spot": 1, "instance_g5.2xlarge": 1}, NodeKind("g5.2xlarge", "spot")),
+    ({"CPU": 8, "ondemand": 1, "instance_g5.2xlarge": 1}, NodeKind("g5.2xlarge", "on_demand")),
+    ({"CPU": 2}, NodeKind("local", "on_demand")),
+])
+def test_node_kind_from_resources(resources, kind):
+    assert node_kind(resources) == kind
+
+
+@pytest.mark.parametrize("kind,hours,expected", [
+    (NodeKind("g5.2xlarge", "spot"), 2.0, (1.0, 1.4)),
+    (NodeKind("g5.2xlarge", "on_demand"), 2.0, (2.4, 0.0)),
+    (NodeKind("unknown", "spot"), 5.0, (0.0, 0.0)),
+])
+def test_cost_and_savings(kind, hours, expected):
+    assert cost_usd(hours, kind, PRICES) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("productive,wall,expected", [(50, 100, 0.5), (0, 10, 0.0), (10, 0, 0.0), (120, 100, 1.0)])
+def test_goodput(productive, wall, expected):
+    assert goodput(productive, wall) == expected
+
+
+def test_a_node_counts_once_in_the_group():
+    spot, od = NodeKind("g5", "spot"), NodeKind("g5", "on_demand")
+    assert group_kinds([("n1", spot), ("n1", spot), ("n2", spot), ("n3", od)]) == {spot: 2, od: 1}
+
+
+def test_scrape_config_honours_our_job_label():
+    cfg = json.loads(scrape_config(["127.0.0.1:8080"], "/tmp/ray/prom_metrics_service_discovery.json", 5))
+    job = cfg["scrape_configs"][0]
+    assert job["honor_labels"] is True and job["static_configs"][0]["targets"] == ["127.0.0.1:8080"]
+    assert job["file_sd_configs"][0]["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
+
+
+def test_dashboards_are_complete():
+    boards = build_dashboards()
+    assert [d["uid"] for d in boards] == ["etrain-overview", "etrain-job", "etrain-cost"]
+    for d in boards:
+        ids = [p["id"] for p in d["panels"]]
+        assert len(ids) == len(set(ids)) and all(p["targets"][0]["expr"] for p in d["panels"])
+        assert {link["url"] for link in d["links"]} == {"/d/rayDefaultDashboard", "/d/rayTrainDashboard",
+                                                         "/d/rayServeDashboard"}  # Ray's own: linked, not copied
+    job = boards[1]
+    assert [v["name"] for v in job["templating"]["list"]] == ["datasource", "job"]
+    assert all("$job" in expr for uid, _, expr in panel_queries([job]))
+    gpu = [t for _, t, _ in panel_queries(build_dashboards(gpu=True))]
+    assert "GPU utilisation by rank" in gpu and "GPU utilisation by rank" not in [t for _, t, _ in panel_queries(boards)]
+
+
+class Recorder(BaseHTTPRequestHandler):
+    calls: list = []
+
+    def _reply(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _record(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        call = {"method": self.command, "path": self.path, "auth": self.headers.get("Authorization"), "body": body}
+        Recorder.calls.append(call)
+        return call
+
+    def do_GET(self):
+        self._record()
+        self._reply(404, {"message": "Folder not found"})
+
+    def do_POST(self):
+        call = self._record()
+        if self.path == "/api/folders":
+            self._reply(200, {"uid": call["body"]["uid"], "title": call["body"]["title"]})
+        else:
+            uid = call["body"]["dashboard"]["uid"]
+            self._reply(200, {"status": "success", "uid": uid, "url": f"/d/{uid}/x"})
+
+    def log_message(self, *args):
+        pass
+
+
+def test_push_creates_the_folder_and_every_dashboard():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    Recorder.calls.clear()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        urls = push(url, "glsa_token", build_dashboards())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert urls == [f"{url}/d/etrain-overview/x", f"{url}/d/etrain-job/x", f"{url}/d/etrain-cost/x"]
+    paths = [(c["method"], c["path"]) for c in Recorder.calls]
+    assert paths == [("GET", "/api/folders/elastic-train"), ("POST", "/api/folders")] + [("POST", "/api/dashboards/db")] * 3
+    assert all(c["auth"] == "Bearer glsa_token" for c in Recorder.calls)
+    posted = [c["body"] for c in Recorder.calls[2:]]
+    assert all(b["overwrite"] and b["folderUid"] == "elastic-train" for b in posted)
+
+
+def test_the_cli_refuses_a_push_without_a_token(capsys, monkeypatch):
+    from service.cli import main
+
+    monkeypatch.delenv("GRAFANA_TOKEN", raising=False)
+    assert main(["dashboards", "push", "--url", "http://127.0.0.1:9"]) == 2
+    assert "--token (or GRAFANA_TOKEN)" in capsys.readouterr().err
+
+
+def test_file_provisioning(tmp_path):
+    written = write_provisioning(tmp_path, build_dashboards())
+    assert "type: file" in written[0].read_text() and str(tmp_path / "dashboards") in written[0].read_text()
+    assert json.loads((tmp_path / "dashboards" / "etrain-job.json").read_text())["uid"] == "etrain-job"
+
+
+def test_charts_mark_interruptions_and_say_when_empty():
+    svg = svg_chart("loss-chart", "loss", [(0, 2.0), (10, 1.0), (20, 0.5)], marks=[12.0])
+    assert "<polyline class='line'" in svg and svg.count("class='interruption'") == 1
+    assert "no data yet" in svg_chart("x", "loss", [])
+    rows = [{"time": 100.0 + i, "step": 10 * i, "loss": 1 / (i + 1), "samples_per_s": 50.0, "world_size": 2,
+             "goodput": 0.9, "cost_usd": 0.01} for i in range(5)]
+    page = job_page({"id": "j-1", "name": "n<script>", "state": "RUNNING"}, rows,
+                    [{"cause": "node lost", "interrupted_at": 102.5, "steps_lost": 3, "recovery_s": 9.0}],
+                    [{"step": 40, "complete": True, "size_bytes": 10, "uri": "/x"}], "line <1>\n")
+    assert "n&lt;script&gt;" in page and "<script>" not in page  # names and logs are escaped
+    assert page.count("class='interruption'") == 2 and "goodput 90%" in page and "line &lt;1&gt;" in page
+    assert "No jobs yet" in jobs_page("t", [])
