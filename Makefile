@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 # The whole suite: unit (no Ray), integration (a local Ray), e2e.
 test: $(STAMP)
-	$(PYTEST) tests -q --durations=15
+	$(PYTEST) tests -q --durations=15 --ignore=tests/gpu
 
 # The fast tier for your own loop: no Ray is started, under a minute.
 test-fast: $(STAMP)
@@ -31,11 +31,10 @@ test-fast: $(STAMP)
 test-ray: $(STAMP)
 	$(PYTEST) tests/integration -q
 
-# Side-by-side ratios measured in one run (see bench/); each script also runs on its own.
+# Side-by-side ratios measured in one run (see bench/); writes BENCHMARKS.md. Each script also
+# runs on its own: python bench/NAME.py
 bench: $(STAMP)
-	$(PY) bench/preemption.py
-	$(PY) bench/sweep.py
-	$(PY) bench/service.py
+	$(PY) bench/run_all.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -15,7 +15,7 @@ from cluster.storage import StorageRoot
 
 HISTORY_DIR = "metrics"
 ROW_KEYS = ("step", "epochs_done", "loss", "learning_rate", "samples_per_s", "tokens_per_s", "world_size",
-            "data_wait_fraction", "step_time_s", "goodput", "cost_usd", "savings_usd")
+            "data_wait_fraction", "step_time_s", "goodput", "cost_usd", "savings_usd", "checkpoint_save_s", "checkpoint_report_s")
 
 
 class MetricsHistory:

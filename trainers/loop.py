@@ -261,8 +261,7 @@ def train_loop_per_worker(config: dict) -> None:
         reporting = time.perf_counter()
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
                          checkpoint_upload_mode=CheckpointUploadMode.SYNC if preemption else upload_mode)
-        if rank == 0:
-            observer.checkpoint_times(save_s, time.perf_counter() - reporting)
+        observer.checkpoint_times(save_s if rank == 0 else 0.0, time.perf_counter() - reporting)
         last_ckpt_at = time.monotonic()
         if rank == 0:
             c = spec.checkpoint

@@ -48,6 +48,7 @@ class Observer:
         self.tb = TensorBoard(root, spec) if rank == 0 else None
         self.wait_s = 0.0
         self.window_steps = 0
+        self.last_checkpoint: dict = {}
         self.attempt_start = time.perf_counter()
         self.last_cost_at = time.time()
         p = spec.training.profile
@@ -68,6 +69,8 @@ class Observer:
 
     def log_step(self, metrics: dict, elapsed_s: float) -> None:
         """Add derived figures to ``metrics`` and publish them (gauges; rank 0: history, TensorBoard)."""
+        metrics.update(self.last_checkpoint)
+        self.last_checkpoint = {}
         metrics["step_time_s"] = elapsed_s / max(1, self.window_steps)
         metrics["data_wait_fraction"] = min(1.0, self.wait_s / elapsed_s) if elapsed_s > 0 else 0.0
         self.wait_s, self.window_steps = 0.0, 0
@@ -101,8 +104,11 @@ class Observer:
         return {"productive_s": self.productive_s(),
                 "node_hours": [[[k.instance_type, k.market], h] for k, h in self.node_hours.items()]}
 
-    def checkpoint_times(self, save_s: float, upload_s: float) -> None:
-        self.metrics.set(checkpoint_save_s=save_s, checkpoint_upload_s=upload_s)
+    def checkpoint_times(self, save_s: float, report_s: float) -> None:
+        """The last checkpoint's local write and how long report() blocked; the next log row carries them."""
+        self.last_checkpoint = {"checkpoint_save_s": save_s, "checkpoint_report_s": report_s}
+        if self.rank == 0:
+            self.metrics.set(checkpoint_save_s=save_s, checkpoint_upload_s=report_s)
 
     def interruptions(self, records: list[dict]) -> None:
         if self.rank == 0:

@@ -114,3 +114,9 @@ class LanguageModel:
         mask = (target != PAD_ID).float()
         per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
         return per_seq.sum(), tokens.shape[0], batch["num_tokens"]
+
+
+def flops_per_token(params: int, n_layers: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token of a decoder: 6 per parameter (forward + backward) plus attention's
+    12 * layers * d_model * context (the PaLM paper's appendix B accounting). For MFU."""
+    return 6.0 * params + 12.0 * n_layers * d_model * seq_len

@@ -1,0 +1,97 @@
+"""Our training loop against plain PyTorch DDP, side by side in one run.
+
+The same model (digits MLP), data (the digits Parquet), global batch, optimizer, 2 gloo
+workers and 1 thread each, trained (a) by torchrun running bench/plain_ddp.py and (b) by
+`etrain run` on a local Ray. Figures:
+
+- throughput ratio: (b)'s steady-state samples/s over (a)'s. Target >= 0.97 (Ray's own
+  release test only asks <= 1.15 in time).
+- end-to-end ratio: wall time of the whole command, start-up included, (b) over (a); reported,
+  no target (Ray's start-up is the difference).
+
+    python bench/ddp_overhead.py [--steps 1500] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def prepare_data(root: str) -> str:
+    sys.path.insert(0, str(REPO))
+    from cluster.storage import open_root
+    from trainers.workloads.digits import DATASET_FILE, digits_table, prepare_builtin
+    from trainers.config import validate
+
+    return prepare_builtin(validate({"name": "x"}), open_root(root), DATASET_FILE, digits_table)
+
+
+def plain(data: str, steps: int, batch: int, hidden: int) -> tuple[float, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    started = time.perf_counter()
+    out = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(REPO / "bench" / "plain_ddp.py"), "--data", data, "--steps", str(steps),
+                          "--batch-size", str(batch), "--hidden", str(hidden)],
+                         capture_output=True, text=True, env=env, timeout=900)
+    wall = time.perf_counter() - started
+    if out.returncode != 0:
+        raise SystemExit(f"torchrun failed:\n{out.stderr[-3000:]}")
+    line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
+    return json.loads(line)["samples_per_s"], wall
+
+
+def ours(root: str, steps: int, batch: int, hidden: int, name: str) -> tuple[float, float]:
+    env = {**os.environ, "ETRAIN_STORAGE_ROOT": root}
+    env.pop("RAY_ADDRESS", None)
+    started = time.perf_counter()
+    out = subprocess.run([PY, "-m", "trainers.train", str(REPO / "configs" / "quickstart.yaml"), "--json",
+                          "--set", f"name={name}", "--set", f"training.max_steps={steps}",
+                          "--set", f"training.batch_size={batch}", "--set", "training.learning_rate=0.001",
+                          "--set", "training.lr_schedule={kind: constant}", "--set", "training.log_interval_steps=100",
+                          "--set", f"model.hidden_size={hidden}", "--set", f"checkpoint.interval={steps}",
+                          "--set", "distributed.num_workers=2"],
+                         capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    wall = time.perf_counter() - started
+    if out.returncode != 0:
+        raise SystemExit(f"etrain run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout)["samples_per_s"], wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, interleaved")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="etrain-bench-ddp-")
+    data = prepare_data(root)
+    ratios, walls = [], []
+    for i in range(args.repeats):
+        a_rate, a_wall = plain(data, args.steps, args.batch_size, args.hidden)
+        b_rate, b_wall = ours(root, args.steps, args.batch_size, args.hidden, f"ddp-bench-{i}")
+        print(f"[bench] pair {i}: plain {a_rate:.0f} samples/s in {a_wall:.1f}s, etrain {b_rate:.0f} samples/s "
+              f"in {b_wall:.1f}s", file=sys.stderr)
+        ratios.append(b_rate / a_rate)
+        walls.append(b_wall / a_wall)
+    print(f"plain ddp samples/s: {a_rate:.0f}")
+    print(f"etrain samples/s: {b_rate:.0f}")
+    print(f"plain ddp wall time: {a_wall:.1f}")
+    print(f"etrain wall time: {b_wall:.1f}")
+    print(f"end-to-end time ratio: {statistics.median(walls):.2f}")
+    print(f"throughput ratio: {statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()

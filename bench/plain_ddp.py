@@ -1,0 +1,67 @@
+"""Plain PyTorch DDP over gloo, the baseline of bench/ddp_overhead.py; run by torchrun.
+
+The same model (the digits MLP), data (the digits Parquet file), global batch, optimizer
+and thread count as the etrain job it is compared with; a DistributedSampler and a
+DataLoader, as a DDP user writes it. Rank 0 prints one JSON line with its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch-size", type=int, default=128, help="global")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    table = pq.read_table(args.data)
+    x = torch.tensor(table.column("features").to_pylist(), dtype=torch.float32)
+    y = torch.tensor(table.column("label").to_numpy(), dtype=torch.long)
+    data = TensorDataset(x, y)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10)))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    per_rank = args.batch_size // world
+    step, epoch, warm_at, started = 0, 0, None, time.perf_counter()
+    while step < args.steps:
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
+        sampler.set_epoch(epoch)
+        for xb, yb in DataLoader(data, batch_size=per_rank, sampler=sampler, drop_last=True):
+            loss = F.cross_entropy(model(xb), yb)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            if step == 1:
+                warm_at = time.perf_counter()  # the first step pays for warm-up; measure after it
+            if step >= args.steps:
+                break
+        epoch += 1
+    steady = (args.steps - 1) * args.batch_size / (time.perf_counter() - warm_at)
+    if rank == 0:
+        print(json.dumps({"samples_per_s": steady, "train_s": time.perf_counter() - started,
+                          "threads": torch.get_num_threads(), "world": world}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

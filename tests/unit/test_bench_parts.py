@@ -1,0 +1,57 @@
+"""The benchmark harness's pure parts: figure parsing, judging against targets, the FLOPs formula."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainers.workloads.lm import flops_per_token
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flops_per_token_counts_parameters_and_attention():
+    assert flops_per_token(1_000_000, 2, 128, 256) == 6e6 + 12 * 2 * 128 * 256
+
+
+@pytest.mark.parametrize("name,value,expected", [
+    ("throughput ratio", 0.98, True), ("throughput ratio", 0.96, False),
+    ("sweep overhead ratio", 1.2, True), ("steps lost with notice", 2, False), ("cold start", 11.0, None),
+])
+def test_judge(name, value, expected):
+    assert load("run_all").judge(name, value) is expected
+
+
+def test_figures_are_read_from_name_value_lines(tmp_path, monkeypatch):
+    run_all = load("run_all")
+    script = tmp_path / "fake.py"
+    script.write_text("print('[bench] noise: 12')\nprint('submit p50 with 16 clients: 12.5 ms (ray jobs direct 3.1 ms)')"
+                      "\nprint('throughput ratio: 0.981')\nprint('asha time to fifo best ratio: inf')\n")
+    monkeypatch.setattr(run_all, "REPO", tmp_path.parent)
+    (tmp_path.parent / "bench").mkdir(exist_ok=True)
+    (tmp_path.parent / "bench" / "fake.py").write_text(script.read_text())
+    figures, failure, _ = run_all.run("fake.py", [])
+    assert not failure
+    assert figures == {"submit p50 with 16 clients": 12.5, "throughput ratio": 0.981,
+                       "asha time to fifo best ratio": float("inf")}
+
+
+def test_gpu_script_refuses_without_a_gpu_and_says_how():
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.fail("this test is for machines without a GPU")
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no CUDA GPU here" in out.stderr and "--cpu-check" in out.stderr
