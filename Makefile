@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
+	# grafana-client brings niquests and urllib3-future, whose wheel overwrites urllib3 itself at
+	# every interpreter start (requests and schemathesis then misbehave). Built from source with
+	# URLLIB3_NO_OVERRIDE it stays beside urllib3, as its authors advise.
+	URLLIB3_NO_OVERRIDE=1 $(PY) -m pip install -q --no-binary urllib3-future urllib3-future
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

@@ -50,9 +50,7 @@ def s3_server():
             os.environ[k] = v
 
 
-@pytest.fixture(scope="session")
-def ray_local(s3_server):
-    """One local Ray for the session (started after the S3 settings so workers inherit them)."""
+def start_local_ray():
     import ray
 
     ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
@@ -61,8 +59,28 @@ def ray_local(s3_server):
              # short test run shows up in Prometheus.
              _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])}})
+
+
+@pytest.fixture(scope="module")
+def ray_local(s3_server):
+    """One local Ray, shared by modules (started after the S3 settings so workers inherit them).
+
+    Module-scoped and started on demand: a multi-node test shuts it down for its own cluster,
+    and the next module that needs it starts it again. The session's end shuts it down.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        start_local_ray()
     yield ray
-    ray.shutdown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys as _sys
+
+    ray = _sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture

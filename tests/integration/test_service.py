@@ -168,6 +168,28 @@ def test_tenants_see_only_their_own(service):
     wait_state(service, b, {"SUCCEEDED", "FAILED"}, who="bob")
 
 
+def test_a_sweep_over_http_runs_its_trials_and_reports_the_best(service):
+    body = {**job_spec("http-sweep", 20), "sweep": {
+        "search": "grid", "scheduler": "fifo", "max_concurrent_trials": 2,
+        "space": {"training.learning_rate": {"grid": [0.003, 0.03]}}}}
+    r = api(service, "POST", "/v1/sweeps", json=body)
+    assert r.status_code == 201, r.text
+    sweep_id = r.json()["id"]
+    assert r.json()["kind"] == "sweep" and sweep_id.startswith("s-")
+    assert api(service, "GET", f"/v1/jobs/{sweep_id}").status_code == 404  # a sweep is not a job
+
+    def finished():
+        got = api(service, "GET", f"/v1/sweeps/{sweep_id}").json()
+        return got if got["state"] in ("SUCCEEDED", "FAILED") else None
+    done = wait_for(finished, 300, "the sweep to finish", poll_s=1)
+    assert done["state"] == "SUCCEEDED", api(service, "GET", f"/v1/sweeps/{sweep_id}/logs").text[-3000:]
+    results = done["summary"]
+    assert len(results["trials"]) == 2 and results["best"]["params"]["training.learning_rate"] in (0.003, 0.03)
+    checkpoints = api(service, "GET", f"/v1/sweeps/{sweep_id}/checkpoints").json()
+    assert {c["trial"] for c in checkpoints} == {f"trial-{t['trial']}" for t in results["trials"]}
+    assert sweep_id in {s["id"] for s in api(service, "GET", "/v1/sweeps").json()["items"]}
+
+
 def etrain(service, *args: str, who: str | None = "alice"):
     import subprocess
     import sys
