@@ -65,7 +65,8 @@ def ours(root: str, steps: int, batch: int, hidden: int, name: str) -> tuple[flo
     wall = time.perf_counter() - started
     if out.returncode != 0:
         raise SystemExit(f"etrain run failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout)["samples_per_s"], wall
+    summary = json.loads((Path(root) / name / "summary.json").read_text())  # stdout also carries Ray's worker logs
+    return summary["samples_per_s"], wall
 
 
 def main() -> None:

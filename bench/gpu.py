@@ -86,7 +86,7 @@ def main() -> None:
     if out.returncode != 0:
         print(out.stderr[-4000:], file=sys.stderr)
         raise SystemExit("the GPU training run failed")
-    summary = json.loads(out.stdout)
+    summary = json.loads((Path(root) / "gpu-bench" / "summary.json").read_text())  # stdout has Ray's logs too
 
     from cluster.storage import open_root
     from trainers.history import read_history
