@@ -26,6 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
+EXTRA: list[str] = []
 
 
 def prepare_data(root: str) -> str:
@@ -60,7 +61,7 @@ def ours(root: str, steps: int, batch: int, hidden: int, name: str) -> tuple[flo
                           "--set", f"training.batch_size={batch}", "--set", "training.learning_rate=0.001",
                           "--set", "training.lr_schedule={kind: constant}", "--set", "training.log_interval_steps=100",
                           "--set", f"model.hidden_size={hidden}", "--set", f"checkpoint.interval={steps}",
-                          "--set", "distributed.num_workers=2"],
+                          "--set", "distributed.num_workers=2", *EXTRA],
                          capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
     wall = time.perf_counter() - started
     if out.returncode != 0:
