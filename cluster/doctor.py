@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
+from cluster.capacity import GpuCapacity, gpu_capacity
+
 PINNED_RAY = "2.60.0"
 MIN_PYTHON = (3, 10)
 
@@ -100,6 +102,7 @@ def check_ray(address: str | None) -> list[Finding]:
         nodes = [n for n in ray.nodes() if n["Alive"]]
         out.append(Finding("ok", f"Ray cluster reachable: {len(nodes)} node(s), {res.get('CPU', 0):g} CPU, "
                                  f"{res.get('GPU', 0):g} GPU"))
+        out.append(check_gpu_decision(gpu_capacity(res.get("GPU", 0))))
         versions = _versions_per_node(nodes)
         distinct = sorted(set(versions.values()))
         if len(distinct) > 1:
@@ -111,6 +114,13 @@ def check_ray(address: str | None) -> list[Finding]:
     finally:
         ray.shutdown()
     return out
+
+
+def check_gpu_decision(capacity: GpuCapacity) -> Finding:
+    """Which way `use_gpu: auto` goes on this cluster, and why."""
+    if capacity.now > 0 or capacity.launchable > 0:
+        return Finding("ok", f"jobs with use_gpu: auto train on GPUs with NCCL: {capacity.describe()}")
+    return Finding("ok", f"jobs with use_gpu: auto train on CPUs with gloo: {capacity.describe()}")
 
 
 def _versions_per_node(nodes: list[dict]) -> dict[str, tuple[str, str]]:

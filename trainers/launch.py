@@ -25,6 +25,7 @@ import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from cluster.capacity import gpu_capacity
 from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, SpecError
@@ -44,12 +45,21 @@ class Runtime:
     notes: list[str] = field(default_factory=list)
 
 
-def resolve_runtime(spec: JobSpec, cluster_gpus: float) -> Runtime:
-    """Fit the spec to the cluster: GPU or not, NCCL or gloo, which autocast; raise what cannot be."""
+def resolve_runtime(spec: JobSpec, cluster_gpus: float, launchable_gpus: float = 0.0) -> Runtime:
+    """Fit the spec to the cluster: GPU or not, NCCL or gloo, which autocast; raise what cannot be.
+
+    ``launchable_gpus`` are GPUs the autoscaler can add (node types that scale from zero):
+    they count as GPUs, so asking for them is what makes a GPU node launch.
+    """
     d, notes, problems = spec.distributed, [], []
-    use_gpu = d.use_gpu if d.use_gpu is not None else cluster_gpus > 0
-    if use_gpu and cluster_gpus <= 0:
-        problems.append("distributed.use_gpu: true: the cluster has no GPUs: set it to false or add GPU nodes")
+    can_have_gpus = cluster_gpus > 0 or launchable_gpus > 0
+    use_gpu = d.use_gpu if d.use_gpu is not None else can_have_gpus
+    if use_gpu and not can_have_gpus:
+        problems.append("distributed.use_gpu: true: the cluster has no GPUs and no GPU node type to launch: "
+                        "set it to false or add GPU nodes (available_node_types with GPUs in ray_cluster.yaml)")
+    if use_gpu and cluster_gpus <= 0 < launchable_gpus:
+        notes.append(f"no GPU node is up yet: the job asks for GPUs and the autoscaler launches them "
+                     f"(up to {launchable_gpus:g})")
     backend = d.backend if d.backend != "auto" else ("nccl" if use_gpu else "gloo")
     if backend == "nccl" and not use_gpu:
         notes.append("distributed.backend: nccl needs GPUs and none are used here: falling back to gloo")
@@ -181,7 +191,8 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
     stop_flag.clear()  # a stop asked of an earlier run must not stop this one
     restore_sigterm = stop_on_sigterm(stop_flag, say)
     try:
-        runtime = resolve_runtime(spec, ray.cluster_resources().get("GPU", 0))
+        capacity = gpu_capacity(ray.cluster_resources().get("GPU", 0))
+        runtime = resolve_runtime(spec, capacity.now, capacity.launchable)
         for note in runtime.notes:
             say(f"[etrain] note: {note}")
         data_uri = data_uri or resolve(spec).prepare(spec, root)

@@ -40,8 +40,23 @@ def test_resolve_runtime(dist, precision, gpus, use_gpu, backend, note):
     assert (note is None and not rt.notes) or any(note in n for n in rt.notes)
 
 
+@pytest.mark.parametrize("dist,gpus_now,launchable,use_gpu,backend,note", [
+    # GPU node types that scale from zero: a default job asks for GPUs, so one launches.
+    ({}, 0, 8, True, "nccl", "the autoscaler launches them"),
+    ({"use_gpu": True}, 0, 2, True, "nccl", "the autoscaler launches them"),
+    ({}, 2, 8, True, "nccl", None),
+    # CPU-only cluster (no GPU type): stays on CPU with gloo.
+    ({}, 0, 0, False, "gloo", None),
+    ({"use_gpu": False}, 0, 8, False, "gloo", None),
+])
+def test_use_gpu_auto_counts_gpus_the_autoscaler_can_launch(dist, gpus_now, launchable, use_gpu, backend, note):
+    rt = resolve_runtime(validate({"distributed": dist}), gpus_now, launchable)
+    assert (rt.use_gpu, rt.backend) == (use_gpu, backend)
+    assert (note is None and not rt.notes) or any(note in n for n in rt.notes)
+
+
 @pytest.mark.parametrize("dist,precision,message", [
-    ({"use_gpu": True}, "none", "distributed.use_gpu: true: the cluster has no GPUs"),
+    ({"use_gpu": True}, "none", "distributed.use_gpu: true: the cluster has no GPUs and no GPU node type to launch"),
     ({}, "fp16", "training.mixed_precision: fp16: needs a GPU"),
 ])
 def test_runtime_refusals_name_the_field(dist, precision, message):

@@ -33,3 +33,15 @@ def test_render_and_exit_code():
     text = render(findings)
     assert "[FAIL] c" in text and "fix: do c" in text and "1 blocking problem(s)" in text
     assert exit_code(findings) == 1 and exit_code(findings[:2]) == 0
+
+
+def test_doctor_says_which_way_use_gpu_auto_goes_and_why():
+    from cluster.capacity import GpuCapacity
+    from cluster.doctor import check_gpu_decision
+
+    scale_from_zero = check_gpu_decision(GpuCapacity(0, 10, "/home/ubuntu/ray_bootstrap_config.yaml",
+                                                     ("gpu_spot", "gpu_ondemand")))
+    assert "train on GPUs with NCCL" in scale_from_zero.what
+    assert "no GPU up now, but the autoscaler can launch 10 (gpu_spot, gpu_ondemand" in scale_from_zero.what
+    cpu_only = check_gpu_decision(GpuCapacity(0, 0, "none"))
+    assert "train on CPUs with gloo" in cpu_only.what and "no GPU node type" in cpu_only.what
