@@ -104,6 +104,57 @@ class IMDS:
         return None
 
 
+class OwnNodeError(RuntimeError):
+    """This machine's Ray node cannot be told apart from the others: pass --node-id."""
+
+
+def pick_own_node(nodes: list[dict], local_ip: str, attached_node_id: str | None = None) -> str:
+    """The id of the alive Ray node at ``local_ip`` (``ray.nodes()`` rows). Pure.
+
+    One raylet per machine is the cloud's case. Several at one address (a test cluster on
+    one box) are told apart by the raylet this process attached to, if it is among them.
+    """
+    alive = [n for n in nodes if n.get("Alive")]
+    here = [n["NodeID"] for n in alive if n.get("NodeManagerAddress") == local_ip]
+    if len(here) == 1:
+        return here[0]
+    if attached_node_id in here:
+        return attached_node_id
+    seen = ", ".join(sorted({str(n.get("NodeManagerAddress")) for n in alive})) or "none"
+    if not here:
+        raise OwnNodeError(f"no alive Ray node has this machine's address {local_ip} (nodes at: {seen}): "
+                           "start spot-watch after `ray start` on this node, or pass --node-id")
+    raise OwnNodeError(f"{len(here)} Ray nodes share this machine's address {local_ip}: pass --node-id")
+
+
+def find_own_node(address: str | None, timeout_s: float = 60.0, say=print) -> str:
+    """This machine's node id, asked of the cluster at ``address`` (retried while Ray starts).
+
+    Connects as a short-lived driver (token auth as the environment says), reads the node
+    table, and disconnects, so the daemon holds no connection while it waits for a notice.
+    """
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.init(address=address or "auto", logging_level="ERROR", log_to_driver=False,
+                     namespace="etrain-spot-watch")
+            try:
+                return pick_own_node(ray.nodes(), ray.util.get_node_ip_address(),
+                                     ray.get_runtime_context().get_node_id())
+            finally:
+                ray.shutdown()
+        except OwnNodeError:
+            if time.monotonic() > deadline:
+                raise
+        except (ConnectionError, RuntimeError) as exc:  # Ray still starting, or a wrong address
+            if time.monotonic() > deadline:
+                raise OwnNodeError(f"cannot reach the Ray cluster at {address or 'auto'}: {exc}") from exc
+            say(f"[spot-watch] Ray not reachable yet ({str(exc).splitlines()[0][:160]}); retrying")
+        time.sleep(2.0)
+
+
 def drain_node(address: str | None, node_id: str | None, notice: Notice) -> subprocess.CompletedProcess:
     """Ask Ray's GCS to drain a node for preemption with the notice's deadline."""
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "drain-node",

@@ -89,10 +89,20 @@ def cmd_storage_init(args: argparse.Namespace) -> int:
 
 
 def cmd_spot_watch(args: argparse.Namespace) -> int:
-    from cluster.spot import IMDS, drain_node, watch
+    from cluster.spot import IMDS, OwnNodeError, drain_node, find_own_node, watch
+
+    def say(message: str) -> None:
+        print(message, flush=True)
+
+    try:
+        node_id = args.node_id or find_own_node(args.address, say=say)
+    except OwnNodeError as exc:
+        print(f"[spot-watch] error: {exc}", file=sys.stderr)
+        return 2
+    say(f"[spot-watch] this node is {node_id}")
 
     def drain(notice) -> bool:
-        proc = drain_node(args.address, args.node_id, notice)
+        proc = drain_node(args.address, node_id, notice)
         if proc.returncode != 0:
             print(f"[spot-watch] ray drain-node failed: {proc.stderr.strip()[-500:]}", file=sys.stderr)
         return proc.returncode == 0
@@ -100,7 +110,7 @@ def cmd_spot_watch(args: argparse.Namespace) -> int:
     print(f"[spot-watch] watching {args.imds_url} every {args.interval_s}s", flush=True)
     notice = watch(IMDS(args.imds_url), drain, interval_s=args.interval_s, on_rebalance=args.on_rebalance,
                    rebalance_deadline_s=args.rebalance_deadline_s, sigterm_deadline_s=args.sigterm_deadline_s,
-                   say=lambda m: print(m, flush=True))
+                   say=say)
     return 0 if notice else 1
 
 
@@ -218,7 +228,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                     "rebalance recommendation; on a notice, drains this Ray node with reason PREEMPTION and "
                     "the notice's deadline, so training takes a just-in-time checkpoint and moves on.")
     spot.add_argument("--address", help="Ray cluster address (default: the node's own)")
-    spot.add_argument("--node-id", help="Ray node id to drain (default: this node)")
+    spot.add_argument("--node-id", help="Ray node id to drain (default: the alive node at this machine's address)")
     spot.add_argument("--imds-url", default="http://169.254.169.254", help="metadata endpoint (tests use a local one)")
     spot.add_argument("--interval-s", type=float, default=5.0, help="poll interval in seconds (default 5)")
     spot.add_argument("--on-rebalance", choices=["drain", "ignore"], default="drain",

@@ -9,9 +9,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from fake_imds import FakeIMDS
+from cluster.rehearsal.imds import FakeIMDS
 
-from cluster.spot import IMDS, Notice, decide, parse_instance_action, watch
+from cluster.spot import IMDS, Notice, OwnNodeError, decide, parse_instance_action, pick_own_node, watch
 
 NOW = datetime(2026, 11, 30, 10, 0, 0, tzinfo=timezone.utc)
 
@@ -89,3 +89,30 @@ def test_sigterm_drains_too(imds):
     notice = watch(IMDS(imds.url), lambda n: True, interval_s=0.05, max_polls=100, sigterm_deadline_s=20,
                    say=lambda m: None)
     assert notice.kind == "sigterm" and notice.deadline_s == 20
+
+
+def _node(node_id: str, ip: str, alive: bool = True) -> dict:
+    return {"NodeID": node_id, "NodeManagerAddress": ip, "Alive": alive}
+
+
+@pytest.mark.parametrize("nodes,ip,attached,expected", [
+    ([_node("h", "10.77.0.11"), _node("w1", "10.77.0.12"), _node("w2", "10.77.0.13")], "10.77.0.13", None, "w2"),
+    # a dead node that had this address before (a restarted raylet) is not this node
+    ([_node("old", "10.77.0.12", alive=False), _node("new", "10.77.0.12")], "10.77.0.12", None, "new"),
+    # several raylets on one address (a one-box test cluster): the one this process attached to
+    ([_node("a", "127.0.0.1"), _node("b", "127.0.0.1")], "127.0.0.1", "b", "b"),
+])
+def test_pick_own_node(nodes, ip, attached, expected):
+    assert pick_own_node(nodes, ip, attached) == expected
+
+
+@pytest.mark.parametrize("nodes,ip,attached,message", [
+    ([_node("h", "10.77.0.11")], "10.77.0.12", None,
+     "no alive Ray node has this machine's address 10.77.0.12 (nodes at: 10.77.0.11)"),
+    ([_node("a", "127.0.0.1"), _node("b", "127.0.0.1")], "127.0.0.1", None,
+     "2 Ray nodes share this machine's address 127.0.0.1: pass --node-id"),
+])
+def test_own_node_errors_say_what_to_do(nodes, ip, attached, message):
+    with pytest.raises(OwnNodeError) as info:
+        pick_own_node(nodes, ip, attached)
+    assert message in str(info.value)
