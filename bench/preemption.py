@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import ray
-    from fake_imds import FakeIMDS
+    from cluster.rehearsal.imds import FakeIMDS
     from waiting import wait_for
     from ray.cluster_utils import Cluster
     from ray.experimental import internal_kv

@@ -1,5 +1,8 @@
 """The local twin of ray_cluster.yaml: the same cluster, `local` provider, head at 127.0.0.1.
 
+One box, one user. To rehearse the real thing on fresh nodes (several addresses, users and
+homes), see ``cluster.rehearsal``.
+
 Generated from ray_cluster.yaml so the two cannot drift: the same file mounts and start
 commands, run on this machine over SSH. What differs, and why:
 
@@ -10,7 +13,9 @@ commands, run on this machine over SSH. What differs, and why:
   every process it starts (job drivers too) keeps 127.0.0.1 as is: Ray otherwise swaps a
   loopback address for the machine's outward one when connecting
   (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``);
-- no NCCL settings in /etc/environment and no spot watcher: no GPUs, no spot market;
+- no NCCL settings and no spot watcher: no GPUs, no spot market;
+- no token mount: the head runs as you, so your ``~/.ray/auth_token`` (made once with
+  `ray get-auth-token --generate`) is its own; the head's start still checks it is there;
 - no `ray stop` before `ray start`: on a shared box it would kill every Ray there, not
   just this cluster's (a fresh cloud node has nothing else to stop).
 

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from fake_imds import FakeIMDS
+from cluster.rehearsal.imds import FakeIMDS
 
 from cluster.spot import IMDS, drain_node, watch
 from cluster.storage import open_root

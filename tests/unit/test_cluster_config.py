@@ -60,3 +60,34 @@ def test_local_twin_is_generated_from_the_aws_file():
     assert twin["provider"] == {"type": "local", "head_ip": "127.0.0.1", "worker_ips": []}
     start = twin["head_start_ray_commands"][-1]
     assert "--node-ip-address=127.0.0.1" in start and "--dashboard-host=127.0.0.1" in start
+
+
+def test_token_is_carried_to_every_node_and_checked_before_the_head_starts():
+    assert AWS["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    head = AWS["head_start_ray_commands"]
+    check = next(i for i, c in enumerate(head) if "auth_token" in c)
+    start = next(i for i, c in enumerate(head) if "ray start --head" in c)
+    assert check < start and "ray get-auth-token --generate" in head[check]
+
+
+def test_spot_watcher_connects_with_the_token():
+    (watch,) = [c for c in AWS["worker_start_ray_commands"] if "etrain spot-watch" in c]
+    assert "RAY_AUTH_MODE=token" in watch and "--node-id" not in watch, "it finds its own node"
+
+
+def test_no_setup_command_needs_sudo():
+    assert not any("sudo" in c for c in AWS["setup_commands"]), "a fresh node user may have no sudo"
+
+
+def test_rehearsal_renders_only_the_provider_auth_key_and_mount():
+    from cluster.rehearsal.render import differences, rehearsal_config
+
+    rendered = rehearsal_config(AWS, "10.77.0.11", ["10.77.0.12", "10.77.0.13"], "/k/id", REPO)
+    assert differences(AWS, rendered) == {"cluster_name", "provider", "auth", "available_node_types",
+                                          "head_node_type", "max_workers", "min_workers", "file_mounts"}
+    for key in ("setup_commands", "head_start_ray_commands", "worker_start_ray_commands", "rsync_exclude"):
+        assert rendered[key] == AWS[key], key
+    assert rendered["auth"] == {"ssh_user": AWS["auth"]["ssh_user"], "ssh_private_key": "/k/id"}
+    assert rendered["file_mounts"] == {"~/elastic-train": str(REPO), "~/.ray/auth_token": "~/.ray/auth_token"}
+    assert rendered["provider"] == {"type": "local", "head_ip": "10.77.0.11", "worker_ips": ["10.77.0.12", "10.77.0.13"]}
+    validate_config(prepare_config(rendered))

@@ -1,0 +1,150 @@
+"""Spot first, on-demand when spot cannot be had: Ray's autoscaler with ray_cluster.yaml's node types.
+
+Ray's fake multi-node provider launches real raylets with fake GPUs. The node types are the
+shipped file's (resources, max_workers, priority), only the spot type's max is cut to 1 so
+that a 2-worker job cannot have all its GPUs from spot. The head is started by the test
+in a session of its own, on its own port, with a fresh HOME holding the autoscaling config
+where `ray up` puts it; the test stops that session's processes and nothing else (Ray's
+`AutoscalingCluster` helper would run `ray stop --force`, killing every Ray here).
+
+A default quickstart job (``use_gpu: auto``) is submitted with no GPU node up: it must ask
+for GPUs, so the autoscaler launches a spot GPU node, then an on-demand one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import free_port
+from waiting import wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+HEAD_TYPE = "ray.head.default"  # the fake provider's name for the head type
+
+
+def fake_config(aws: dict, gcs_port: int, spot_max: int) -> dict:
+    """The fake provider's config with ray_cluster.yaml's worker types, GPUs made explicit
+    (on AWS Ray fills them in from the instance type)."""
+    types = {}
+    for name, node_type in aws["available_node_types"].items():
+        if name == aws["head_node_type"]:
+            continue
+        types[name] = {"resources": {**node_type["resources"], "CPU": 1, "GPU": 1}, "node_config": {},
+                       "min_workers": node_type.get("min_workers", 0), "max_workers": node_type["max_workers"],
+                       "priority": node_type.get("priority", 0)}
+    types["gpu_spot"]["max_workers"] = spot_max
+    types[HEAD_TYPE] = {"resources": {"CPU": 2, "head": 1}, "node_config": {}, "max_workers": 0}
+    return {
+        "cluster_name": "fake-spot-fallback", "max_workers": 10, "upscaling_speed": 1.0, "idle_timeout_minutes": 5,
+        "provider": {"type": "fake_multinode", "gcs_address": f"127.0.0.1:{gcs_port}", "launch_multiple": True,
+                     "head_node_id": "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"},
+        "auth": {"ssh_user": "ubuntu"}, "available_node_types": types, "head_node_type": HEAD_TYPE,
+        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
+        "rsync_exclude": [], "rsync_filter": [], "initialization_commands": [], "setup_commands": [],
+        "head_setup_commands": [], "worker_setup_commands": [], "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
+    }
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every process in session ``sid`` (the head and the raylets its autoscaler launched)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # after state, ppid, pgrp: session
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.fixture
+def fake_cloud(tmp_path):
+    aws = yaml.safe_load((REPO / "ray_cluster.yaml").read_text())
+    gcs_port, dash_port = free_port(), free_port()
+    home = tmp_path / "head-home"
+    home.mkdir()
+    config = home / "ray_bootstrap_config.yaml"  # where `ray up` leaves it on the head
+    config.write_text(yaml.safe_dump(fake_config(aws, gcs_port, spot_max=1)))
+    env = {**os.environ, "HOME": str(home), "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+           "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}:{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])}
+    env.pop("RAY_ADDRESS", None)
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs_port}", "--node-ip-address=127.0.0.1",
+         "--num-cpus=2", "--resources={\"head\": 1}", f"--autoscaling-config={config}", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dash_port}", "--ray-client-server-port", str(free_port())],
+        env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{dash_port}"
+        client = wait_for(lambda: _client(url), 120, "the fake head's Jobs API", poll_s=1)
+        yield client, url, env
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in session_pids(head.pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(2)
+        head.wait(timeout=30)
+        assert not session_pids(head.pid), "every process of the fake cluster is stopped"
+
+
+def _client(url: str):
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        client = JobSubmissionClient(url)
+        client.list_jobs()
+        return client
+    except Exception:  # boundary: the head is still starting
+        return None
+
+
+def gpu_nodes(url: str) -> list[dict]:
+    from ray.util.state import list_nodes
+
+    nodes = [n for n in list_nodes(address=url, detail=True) if n.state == "ALIVE"
+             and n.resources_total.get("GPU", 0) > 0]
+    return sorted(({"market": "spot" if "spot" in n.resources_total else "ondemand", "start": n.start_time_ms}
+                   for n in nodes), key=lambda n: n["start"])
+
+
+def submit_quickstart(client, storage: Path, workers: int) -> str:
+    return client.submit_job(
+        entrypoint=f"{sys.executable} -m trainers.train {REPO / 'configs' / 'quickstart.yaml'} "
+                   f"--set checkpoint.storage_root={storage} --set distributed.num_workers={workers}",
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+
+
+def test_default_job_launches_spot_gpus_first_then_on_demand(fake_cloud, tmp_path):
+    client, url, _ = fake_cloud
+    assert gpu_nodes(url) == [], "no GPU node before the job"
+    one = submit_quickstart(client, tmp_path / "one", workers=1)
+    try:
+        first = wait_for(lambda: gpu_nodes(url), 180, "a GPU node to launch", poll_s=1)
+        logs = wait_for(lambda: (lambda text: text if "the autoscaler launches them" in text else None)(
+            client.get_job_logs(one)), 60, "the job's GPU decision")
+    finally:
+        client.stop_job(one)
+    assert [n["market"] for n in first] == ["spot"], first
+    assert "no GPU node is up yet: the job asks for GPUs and the autoscaler launches them" in logs
+    two = submit_quickstart(client, tmp_path / "two", workers=2)
+    try:
+        both = wait_for(lambda: (lambda n: n if len(n) >= 2 else None)(gpu_nodes(url)), 180,
+                        "a second GPU node", poll_s=1)
+    finally:
+        client.stop_job(two)
+    assert sorted(n["market"] for n in both) == ["ondemand", "spot"], "spot at its max: on-demand fills in"
