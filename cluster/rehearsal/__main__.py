@@ -69,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             config = cloud.base / "cluster.yaml"
             config.write_text(yaml.safe_dump(rehearsal_config(
                 aws, cloud.head.ip, [n.ip for n in cloud.nodes[1:]], str(cloud.key), REPO)))
-            print(f"rendered: {config}\nnow: ray get-auth-token --generate && ray up -y {config}\n"
-                  f"spot notice on a worker: python -c 'from cluster.rehearsal.cloud import *' (see README); "
-                  "Ctrl-C stops the cloud", flush=True)
+            print(f"rendered: {config}\nnow: ray get-auth-token --generate && chmod 600 ~/.ray/auth_token && "
+                  f"RAY_UP_enable_autoscaler_v2=0 ray up -y {config}\n"
+                  f"a spot notice to worker wN: write the instance-action JSON to {cloud.base}/wN/"
+                  f"{cloud.nodes[-1].notice_file.name}\nCtrl-C stops the cloud", flush=True)
             while True:
                 time.sleep(3600)
     except KeyboardInterrupt:

@@ -20,6 +20,11 @@ built once and cached by its pins, first on each node user's PATH. The setup com
 ray_cluster.yaml then find Ray installed and install the project from the synced tree as on
 AWS (``pip install -e ~/elastic-train``, into the node user's site-packages).
 
+Ray's `local` provider under autoscaler v2 (what `ray up` starts by default in 2.60) counts
+the head as one of the worker addresses' ``min_workers``, so one worker address never gets
+a node: run `ray up` with ``RAY_UP_enable_autoscaler_v2=0`` (Ray's own switch, on the
+launching side) for the rehearsal. AWS node types keep v2: there the head has its own type.
+
 Everything started is stopped by pid or by the namespace made for it; nothing is found by
 name. Use :class:`Cloud` as a context manager, or ``python -m cluster.rehearsal``.
 """
@@ -242,11 +247,7 @@ class Cloud:
         env.write_text(
             f"export PATH={self.image}/bin:$HOME/.local/bin:$PATH\n"
             "export PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0 PIP_DISABLE_PIP_VERSION_CHECK=1\n"
-            f"export RAY_OVERRIDE_RESOURCES='{{\"CPU\": {cpus}}}'\n"
-            # Ray's `local` provider under autoscaler v2 (2.60's default) counts the head as one of
-            # the worker addresses' min_workers, so one address never gets a node; its v1
-            # autoscaler starts them all. (AWS node types keep v2: the head has its own type.)
-            "export RAY_enable_autoscaler_v2=0\n")
+            f"export RAY_OVERRIDE_RESOURCES='{{\"CPU\": {cpus}}}'\n")
         for rc in (".profile", ".bashrc"):
             original = (node.home / rc).read_text() if (node.home / rc).exists() else ""
             (node.home / rc).write_text(f". ~/.etrain-image\n{original}")

@@ -1,4 +1,6 @@
-"""The cluster path for real: `ray up` on the local twin over a real sshd, `ray job submit`.
+"""One-box use of the cluster path: `ray up` on the local twin over a real sshd, `ray job submit`.
+
+(The real thing, fresh nodes with their own addresses, users and homes, is tests/e2e/test_rehearsal.py.)
 
 The test starts its own sshd on 127.0.0.1:22 with host and user keys it makes (``.ci/run``
 installs openssh-server and rsync), runs Ray's own CLI against it, and stops every process
@@ -92,6 +94,8 @@ def test_ray_up_then_job_submit_then_ray_down(sshd, tmp_path):
     ray = str(BIN / "ray")
     try:
         started = time.time()
+        # The README's first step: one box, one user, so the head reads this very token.
+        subprocess.run([ray, "get-auth-token", "--generate"], check=True, capture_output=True, env=env, timeout=60)
         up = subprocess.run([ray, "up", "-y", "--no-config-cache", str(config)], capture_output=True, text=True,
                             env=env, timeout=1200)
         print(f"ray up took {time.time() - started:.0f}s")

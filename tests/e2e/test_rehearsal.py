@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from waiting import wait_for
+
 from cluster.rehearsal.cloud import Cloud
 from cluster.rehearsal.render import rehearsal_config
 
@@ -43,22 +45,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 class Launcher:
     """The user's machine: a fresh HOME, Ray's CLI, the rendered cluster file."""
 
     def __init__(self, home: Path, config: Path):
         self.home, self.config = home, config
-        self.env = {**os.environ, "HOME": str(home), "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token"}
+        self.env = {**os.environ, "HOME": str(home), "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
+                    "RAY_UP_enable_autoscaler_v2": "0",  # see cluster.rehearsal.cloud: the local provider under v2
+                    # The launcher's own temporary folder: `ray up` keeps the local provider's cluster
+                    # state there, and this machine's /tmp/ray belongs to the Ray of other tests.
+                    "TMPDIR": str(home / "tmp"), "RAY_TMPDIR": str(home / "tmp")}
+        (home / "tmp").mkdir()
         self.env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # nodes have real addresses here
         self.env.pop("RAY_ADDRESS", None)
         self.tunnel: subprocess.Popen | None = None
@@ -94,11 +91,12 @@ def on_head(cloud: Cloud, python: str, timeout: float = 120) -> str:
 
 ALIVE_NODES = ("import ray, json; ray.init(address='auto', logging_level='ERROR', log_to_driver=False); "
                "print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))")
-TRAINING_NODES = ("import json, ray; from ray.util.state import list_actors, list_nodes; "
+TRAINING_NODES = ("import json, ray; from ray.util.state import list_actors; "
                   "ray.init(address='auto', logging_level='ERROR', log_to_driver=False); "
-                  "ips = {n.node_id: n.node_ip for n in list_nodes(filters=[('state', '=', 'ALIVE')])}; "
-                  "acts = list_actors(filters=[('class_name', '=', 'RayTrainWorker'), ('state', '=', 'ALIVE')]); "
-                  "print(json.dumps(sorted(ips.get(a.node_id, '?') for a in acts)))")
+                  "ips = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']}; "
+                  "acts = list_actors(filters=[('class_name', '=', 'RayTrainWorker'), ('state', '=', 'ALIVE')], "
+                  "raise_on_missing_output=False); "
+                  "print(json.dumps(sorted(ips[a.node_id] for a in acts if a.node_id in ips)))")
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +135,7 @@ def rehearsal():
                          420, "the head and 3 workers to join", poll_s=5)
         launcher.open_tunnel()
         wait_for(lambda: launcher.ray("job", "list", "--address", launcher.dashboard, check=False,
-                                      timeout=30).returncode == 0, 60, "the Jobs API through the tunnel")
+                                      timeout=30).returncode == 0, 60, "the Jobs API through the tunnel", poll_s=1)
         print(f"rehearsal cloud up in {time.monotonic() - started:.0f}s")
         yield type("Rehearsal", (), {"cloud": cloud, "launcher": launcher, "s3": s3, "up": up, "nodes": nodes})
     finally:
@@ -146,6 +144,7 @@ def rehearsal():
         if moto:
             moto.stop()
         cloud.stop()
+        assert cloud.pids() == [], "no process of any node is left"
 
 
 def test_ray_up_brings_up_head_and_workers_with_one_token(rehearsal):
@@ -204,18 +203,22 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
     def logs() -> str:
         return launcher.ray("job", "logs", "--address", launcher.dashboard, job, check=False, timeout=60).stdout
 
+    def job_status() -> str:  # Ray's CLI writes "Job 'x' succeeded" to stderr
+        probe = launcher.ray("job", "status", "--address", launcher.dashboard, job, check=False, timeout=60)
+        return (probe.stdout + probe.stderr).lower()
+
     try:
-        wait_for(lambda: checkpoint_steps(fs, name), 300, "the first checkpoint")
+        wait_for(lambda: checkpoint_steps(fs, name), 300, "the first checkpoint", poll_s=1)
         first = wait_for(lambda: (lambda ips: ips if len(ips) == 2 else None)(json.loads(on_head(cloud, TRAINING_NODES))),
                          120, "2 training workers", poll_s=3)
         assert cloud.head.ip not in first, "training runs on the workers, as GPU workers do on AWS"
         spot = by_ip[first[0]]
         cloud.interrupt(spot, deadline_s=25)
         wait_for(lambda: "draining this node" in (spot.tmp / "etrain-spot-watch.log").read_text(), 60,
-                 "the spot watcher to drain its node")
-        assert f"this node is " in (spot.tmp / "etrain-spot-watch.log").read_text()
+                 "the spot watcher to drain its node", poll_s=1)
+        assert "this node is " in (spot.tmp / "etrain-spot-watch.log").read_text()
         records = wait_for(lambda: read_json(fs, f"{BUCKET}/runs/{name}/interruptions.json"), 180,
-                           "the interruption record")
+                           "the interruption record", poll_s=1)
         cloud.kill(spot)  # the instance is terminated at the notice's deadline
         assert records[0]["cause"] == "preemption notice", records
         assert records[0]["steps_lost"] <= 1, records
@@ -223,12 +226,10 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
             json.loads(on_head(cloud, TRAINING_NODES))), 240, "training on the 2 nodes left", poll_s=3)
         lost = by_ip[second[0]]
         steps_before = max(checkpoint_steps(fs, name))
-        wait_for(lambda: max(checkpoint_steps(fs, name)) > steps_before, 240, "a checkpoint after the restart")
+        wait_for(lambda: max(checkpoint_steps(fs, name)) > steps_before, 240, "a checkpoint after the restart", poll_s=1)
         cloud.cut_network(lost)
         status = wait_for(lambda: (lambda s: s if any(w in s for w in ("succeeded", "failed", "stopped")) else None)(
-            launcher.ray("job", "status", "--address", launcher.dashboard, job, check=False, timeout=60).stderr.lower()
-            + launcher.ray("job", "status", "--address", launcher.dashboard, job, check=False, timeout=60).stdout.lower()),
-            480, "the job to end", poll_s=5)
+            job_status()), 480, "the job to end", poll_s=5)
         text = logs()
         assert "succeeded" in status, status + text[-4000:]
     finally:

@@ -14,9 +14,11 @@ for GPUs, so the autoscaler launches a spot GPU node, then an on-demand one.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,15 +83,21 @@ def fake_cloud(tmp_path):
            "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}:{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])}
     env.pop("RAY_ADDRESS", None)
+    temp = Path(tempfile.mkdtemp(prefix="etr-", dir="/tmp"))  # short: Ray's Unix socket paths must fit
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs_port}", "--node-ip-address=127.0.0.1",
          "--num-cpus=2", "--resources={\"head\": 1}", f"--autoscaling-config={config}", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dash_port}", "--ray-client-server-port", str(free_port())],
+         f"--dashboard-port={dash_port}", "--ray-client-server-port", str(free_port()),
+         # its own temp dir: `ray start` records its address in <temp>/ray/ray_current_cluster,
+         # and /tmp/ray's is what other Rays on this machine (and `etrain run`) look up
+         f"--temp-dir={temp}"],
         env=env, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{dash_port}"
-        client = wait_for(lambda: _client(url), 120, "the fake head's Jobs API", poll_s=1)
-        yield client, url, env
+        client = wait_for(lambda: _client(url) or (head.poll() is not None and pytest.fail(
+            f"the fake head exited: {(tmp_path / 'head.log').read_text()[-3000:]}")), 120, "the fake head's Jobs API",
+            poll_s=1)
+        yield client, url, temp
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in session_pids(head.pid):
@@ -99,6 +107,7 @@ def fake_cloud(tmp_path):
                     pass
             time.sleep(2)
         head.wait(timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)
         assert not session_pids(head.pid), "every process of the fake cluster is stopped"
 
 
@@ -130,7 +139,7 @@ def submit_quickstart(client, storage: Path, workers: int) -> str:
 
 
 def test_default_job_launches_spot_gpus_first_then_on_demand(fake_cloud, tmp_path):
-    client, url, _ = fake_cloud
+    client, url, temp = fake_cloud
     assert gpu_nodes(url) == [], "no GPU node before the job"
     one = submit_quickstart(client, tmp_path / "one", workers=1)
     try:
@@ -145,6 +154,10 @@ def test_default_job_launches_spot_gpus_first_then_on_demand(fake_cloud, tmp_pat
     try:
         both = wait_for(lambda: (lambda n: n if len(n) >= 2 else None)(gpu_nodes(url)), 180,
                         "a second GPU node", poll_s=1)
+    except AssertionError as exc:
+        monitor = sorted(temp.glob("session_*/logs/monitor.log"))
+        raise AssertionError(f"{exc}\njob: {client.get_job_logs(two)[-3000:]}\n"
+                             f"autoscaler: {monitor[-1].read_text()[-3000:] if monitor else 'no log'}") from None
     finally:
         client.stop_job(two)
     assert sorted(n["market"] for n in both) == ["ondemand", "spot"], "spot at its max: on-demand fills in"
