@@ -1,45 +1,12 @@
-"""Every Ray internal this project touches, in one place, checked against the pinned Ray.
+"""The Ray internals this project touches, behind one module, checked against the pinned Ray.
 
 Ray's public API does not offer these; each function names the internal it uses.
-`tests/unit/test_ray_adapter.py` imports each internal and checks its signature, so an
-upgrade of Ray that moves or renames one fails there, loudly, instead of deep in a job.
-Nothing else in the project may import ``ray._private``, ``ray._raylet``,
-``ray.experimental.internal_kv`` or ``ray.train.v2._internal``.
+`tests/unit/test_ray_adapter.py` checks each, so an upgrade of Ray that moves or renames
+one fails there, loudly, instead of deep in a job. (trainers/recovery.py still calls Ray's
+KV store directly here; the `integration` branch moves it and the rest behind this module.)
 """
 
 from __future__ import annotations
-
-
-def kv_get(key: str) -> bytes | None:
-    """A value from the cluster's GCS key-value store (``ray.experimental.internal_kv``)."""
-    from ray.experimental import internal_kv
-
-    return internal_kv._internal_kv_get(key)
-
-
-def kv_put(key: str, value: bytes | str) -> None:
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_put(key, value)
-
-
-def kv_exists(key: str) -> bool:
-    from ray.experimental import internal_kv
-
-    return bool(internal_kv._internal_kv_exists(key))
-
-
-def kv_del(key: str) -> None:
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_del(key)
-
-
-def worker_health_errors() -> tuple[type[BaseException], ...]:
-    """Ray Train's errors for a worker that stopped answering (a lost node, not a user bug)."""
-    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError
-
-    return WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError
 
 
 def reported_max_resources() -> dict[str, float] | None:

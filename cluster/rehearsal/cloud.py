@@ -143,9 +143,6 @@ class Cloud:
     def head(self) -> Node:
         return self.nodes[0]
 
-    def worker(self, i: int) -> Node:
-        return self.nodes[i]
-
     def __enter__(self) -> "Cloud":
         try:
             self.start()

@@ -23,13 +23,6 @@ def test_internal_kv_functions_keep_their_signatures():
         assert list(inspect.signature(fn).parameters)[0] == first, name
 
 
-def test_train_health_errors_are_exceptions():
-    from cluster.ray_adapter import worker_health_errors
-
-    errors = worker_health_errors()
-    assert len(errors) == 2 and all(issubclass(e, Exception) for e in errors)
-
-
 def test_cluster_config_reader_exists_and_sums_node_groups():
     import ray._private.state as state
     from ray.core.generated import autoscaler_pb2
