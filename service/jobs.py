@@ -337,7 +337,11 @@ class JobManager:
         from trainers.recovery import INTERRUPTIONS_FILE
 
         troot = self.tenant_root(record.tenant)
-        return troot.read_json(record.id, INTERRUPTIONS_FILE) if troot.exists(record.id, INTERRUPTIONS_FILE) else []
+        try:
+            rows = troot.read_json(record.id, INTERRUPTIONS_FILE) if troot.exists(record.id, INTERRUPTIONS_FILE) else []
+        except ValueError:  # the job writes this file: a damaged one lists nothing
+            return []
+        return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
     def profiles(self, record: Record) -> list[str]:
         from trainers.observe import profiles_of
@@ -349,7 +353,11 @@ class JobManager:
     def summary_of(self, record: Record) -> dict | None:
         troot = self.tenant_root(record.tenant)
         parts = ("sweeps", record.id, "results.json") if record.kind == "sweep" else (record.id, "summary.json")
-        return troot.read_json(*parts) if troot.exists(*parts) else None
+        try:
+            summary = troot.read_json(*parts) if troot.exists(*parts) else None
+        except ValueError:  # the job writes this file: a damaged one is no summary
+            return None
+        return summary if isinstance(summary, dict) else None
 
     # ------------------------------------------------------------ stop and resume
 
