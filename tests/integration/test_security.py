@@ -194,10 +194,11 @@ def test_xss_payloads_come_back_escaped_and_no_script_runs(service, tmp_path):
     from browser import Browser
 
     job = api(service, "POST", "/v1/jobs", "alice", json=quick_job("page")).json()["id"]
-    wait_done(service, job, "alice")
+    assert wait_done(service, job, "alice")["state"] == "SUCCEEDED", api(service, "GET", f"/v1/jobs/{job}/logs").text
     folder = service.root / "tenants" / "team-a" / job  # what a job writes, as a hostile one would
     (folder / "interruptions.json").write_text(json.dumps([{"cause": PAYLOAD, "interrupted_at": PAYLOAD,
                                                             "steps_lost": PAYLOAD, "recovery_s": PAYLOAD}]))
+    (folder / "metrics").mkdir(exist_ok=True)
     (folder / "metrics" / "9999999999-9999999999-1.jsonl").write_text("\n".join(json.dumps(row) for row in (
         {"time": 9e9, "step": 999999, "world_size": PAYLOAD, "loss": PAYLOAD, "goodput": PAYLOAD},
         {"time": PAYLOAD, "step": PAYLOAD}, [PAYLOAD])) + "\nnot json\n")  # hostile and broken rows
@@ -345,8 +346,9 @@ def test_sweeps_count_against_the_quota_and_cannot_sweep_ownership(service):
 
 def test_answers_carry_no_server_paths_and_healthz_says_only_ok(service):
     assert requests.get(service.url + "/healthz", timeout=30).json() == {"status": "ok"}
+    done = wait_done(service, api(service, "POST", "/v1/jobs", "alice", json=quick_job("paths")).json()["id"], "alice")
+    assert done["state"] == "SUCCEEDED", json.dumps(done)[-3000:]
     jobs = api(service, "GET", "/v1/jobs", "alice").json()["items"]
-    done = [j for j in jobs if j["state"] == "SUCCEEDED"][0]
     texts = [json.dumps(jobs), api(service, "GET", f"/v1/jobs/{done['id']}/checkpoints").text,
              api(service, "GET", f"/v1/jobs/{done['id']}/logs").text, json.dumps(api(service, "GET", "/v1/jobs",
                                                                                      "root").json())]
