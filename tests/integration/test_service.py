@@ -241,6 +241,7 @@ def with_retries(call, what: str, timeout_s: float = 120):
 
 
 def test_killing_the_replica_loses_or_doubles_no_submission_and_a_restart_keeps_every_record(service, ray_local):
+    from ray._private.worker import get_dashboard_url
     from ray.util.state import list_actors
 
     results: dict[int, list[str]] = {}
@@ -260,7 +261,9 @@ def test_killing_the_replica_loses_or_doubles_no_submission_and_a_restart_keeps_
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    replica = wait_for(lambda: [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+    # This Ray's own state API: with other Rays on the machine, list_actors() cannot pick one by itself.
+    replica = wait_for(lambda: [a for a in list_actors(address=f"http://{get_dashboard_url()}",
+                                                       filters=[("state", "=", "ALIVE")])
                                 if a.class_name.startswith("ServeReplica:etrain:JobService")], 30, "the replica")[0]
     ray_local.kill(ray_local.get_actor(replica.name, namespace=replica.ray_namespace), no_restart=True)
     for t in threads:
