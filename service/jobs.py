@@ -45,6 +45,9 @@ SECRET_ENV = re.compile(r"^(AWS_(ACCESS_KEY_ID|SECRET_ACCESS_KEY|SESSION_TOKEN|S
                         r"CREDENTIALS?|API_KEY|_TOKEN)\w*)$")
 
 
+SWEEP_TRIALS = {"user": 64, "code": 256, "admin": 1024}
+
+
 def default_state_dir() -> str:
     return os.environ.get(STATE_DIR_ENV) or str(Path.home() / ".etrain" / "service")
 
@@ -64,8 +67,7 @@ class ServiceSettings(BaseModel):
                                                             "(their max_concurrent_trials), per tenant")
     tenant_quotas: dict[str, int] = Field(default_factory=dict, description="per-tenant override of the quota")
     max_sweep_trials: dict[str, int] = Field(
-        default_factory=lambda: {"user": 64, "code": 256, "admin": 1024},
-        description="most trials one sweep may run, per role")
+        default_factory=dict, description=f"most trials one sweep may run, per role (default {SWEEP_TRIALS})")
     factory_modules: list[str] = Field(
         default_factory=list, description="module prefixes a 'user' tenant's model/data factories may come from, "
                                           "e.g. ['acme_models'] allows acme_models and acme_models.*")
@@ -90,6 +92,7 @@ class ServiceSettings(BaseModel):
         unknown = set(self.max_sweep_trials) - set(ROLES)
         if unknown:
             raise ValueError(f"max_sweep_trials: unknown roles {sorted(unknown)}: use {', '.join(ROLES)}")
+        self.max_sweep_trials = {**SWEEP_TRIALS, **self.max_sweep_trials}
         return self
 
 

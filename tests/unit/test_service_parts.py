@@ -202,3 +202,24 @@ def test_the_page_escapes_every_value_a_job_wrote():
     listing = web.jobs_page(evil, [{"id": evil, "name": evil, "kind": "job", "state": evil, "step": evil,
                                     "target_step": 3, "goodput": evil, "updated_at": evil}])
     assert "<img" not in listing
+
+
+def test_serve_reads_the_operators_settings_file(tmp_path):
+    import argparse
+
+    from service.cli import serve_settings
+
+    config = tmp_path / "service.yaml"
+    config.write_text("factory_modules: [acme_models]\nmax_sweep_trials: {user: 10}\ntenant_quotas: {a: 2}\n")
+    args = argparse.Namespace(config=str(config), dashboard_url=None, quota=None, stop_wait_s=None,
+                              state_dir=str(tmp_path / "state"))
+    settings = serve_settings(args, str(tmp_path / "root"))
+    assert settings.factory_modules == ["acme_models"] and settings.tenant_quotas == {"a": 2}
+    assert settings.max_sweep_trials == {"user": 10, "code": 256, "admin": 1024}  # the roles not given keep theirs
+    args.state_dir = str(tmp_path / "root" / "state")
+    with pytest.raises(ValueError, match="state_dir .* is inside the storage root, where jobs write"):
+        serve_settings(args, str(tmp_path / "root"))
+    config.write_text("max_sweep_trials: {root: 1}\n")
+    args.state_dir = None
+    with pytest.raises(ValueError, match="unknown roles \\['root'\\]"):
+        serve_settings(args, str(tmp_path / "root"))
