@@ -77,7 +77,8 @@ def main() -> None:
              dashboard_host="127.0.0.1", configure_logging=True, logging_level="WARNING", log_to_driver=False)
     try:
         dashboard = f"http://{get_dashboard_url()}"
-        settings = ServiceSettings(storage_root=root, ray_dashboard_url=dashboard, max_active_per_tenant=100000,
+        settings = ServiceSettings(storage_root=root, state_dir=mkdtemp(prefix="etrain-bench-state-"),
+                                   ray_dashboard_url=dashboard, max_active_per_tenant=100000,
                                    entrypoint_resources=NEVER, reconcile_interval_s=3600)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -150,8 +150,11 @@ def space_problems(sweep: SweepConfig, base: dict) -> list[str]:
                 "{loguniform: [1.0e-4, 1.0e-1]}"]
     for key, domain in sweep.space.items():
         path = f"sweep.space.{key}"
-        if key in ("name", "checkpoint.storage_root"):
+        if key in ("name", "checkpoint", "checkpoint.storage_root"):
             problems.append(f"{path}: not searchable: a sweep names and stores its trials itself")
+            continue
+        if key == "labels" or key.startswith("labels."):
+            problems.append(f"{path}: not searchable: labels (the tenant's among them) hold for the whole sweep")
             continue
         unknown = key_problem(key)
         if unknown:

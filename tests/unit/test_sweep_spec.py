@@ -58,6 +58,8 @@ BAD_SPACES = [
      "sweep.space.training.batch_size: 1 makes the job spec invalid: training.batch_size: 1: smaller than the most workers"),
     ({"training.optimizer": {"choice": ["AdamW", "Lion"]}}, {}, "\"Lion\" makes the job spec invalid"),
     ({"name": {"choice": ["a", "b"]}}, {}, "sweep.space.name: not searchable"),
+    ({"labels.tenant": {"choice": ["a", "b"]}}, {}, "sweep.space.labels.tenant: not searchable: labels"),
+    ({"labels": {"choice": [{"tenant": "b"}]}}, {}, "sweep.space.labels: not searchable"),
     ({}, {}, "sweep.space: {}: empty"),
     ({"training.batch_size": {"choice": [32]}}, {"metric": "accuracy"}, "sweep.metric: \"accuracy\""),
     ({"training.batch_size": {"choice": [32]}}, {"scheduler": "pbt"}, "sweep.scheduler: \"pbt\""),
