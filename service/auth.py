@@ -24,7 +24,7 @@ import posixpath
 import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -58,11 +58,6 @@ class Principal:
     @property
     def is_admin(self) -> bool:
         return self.role == "admin"
-
-    @property
-    def runs_code(self) -> bool:
-        """May name its own code (train_loop, any factory): admin and code."""
-        return self.role in ("admin", "code")
 
 
 def hash_token(token: str) -> str:
@@ -128,18 +123,23 @@ def load_tokens(path: str | None = None, env: dict | None = None) -> list[TokenE
 
 # ---------------------------------------------------------------- what a role may put in a spec
 
-CODE_FIELDS = ("train_loop", "data.factory", "model.factory")
-# Fields a sweep over HTTP may not vary: they say who owns a trial and where it reads and writes,
-# and (for a user) what code runs; a grid over them would slip past the checks on the spec itself.
+# Fields a sweep over HTTP may not vary, nor any section that holds one: they say who owns a trial
+# and where it reads and writes. What code a trial may run is checked on every trial's spec instead.
 UNSWEEPABLE = ("name", "labels", "checkpoint.storage_root", "data.source")
+# The fields spec_problems reads: a sweep key that can change none of them cannot change its answer.
+ROLE_FIELDS = ("train_loop", "data.factory", "model.factory", "data.source")
 
 
 def location_key(uri: str) -> str:
-    """A URI or path in one normal form, for prefix checks: 's3://bucket/a/b' or '/a/b' ('..' resolved)."""
+    """A URI or path in one normal form, for prefix checks: 's3://bucket/a/b' or '/a/b' ('..' resolved).
+
+    A URI's %-escapes are decoded first, as pyarrow decodes them when it opens one: otherwise
+    '%2e%2e' would pass here as a name and be read there as '..'. A plain path is taken as written.
+    """
     parsed = urlparse(uri)
     if parsed.scheme == "s3":
-        return "s3://" + posixpath.normpath("/" + parsed.netloc + parsed.path).lstrip("/")
-    path = parsed.path if parsed.scheme == "file" else uri
+        return "s3://" + posixpath.normpath("/" + unquote(parsed.netloc + parsed.path)).lstrip("/")
+    path = unquote(parsed.path) if parsed.scheme == "file" else uri
     return posixpath.normpath(path) if path.startswith("/") else "relative:" + posixpath.normpath(path)
 
 
@@ -171,22 +171,49 @@ def _get(data: Any, dotted: str) -> Any:
     return data
 
 
-def policy_problems(role: str, data: dict, factory_modules: list[str], data_roots: list[str]) -> list[str]:
-    """What ``role`` may not put in this spec (``data`` with relative sources already resolved).
+def _overlaps(key: str, field: str) -> bool:
+    """Whether setting ``key`` can change ``field``: the same, inside it, or a section holding it."""
+    return key == field or key.startswith(field + ".") or field.startswith(key + ".")
 
-    Pure and string-only: nothing named is imported or opened. ``data_roots`` are the tenant's
-    storage prefix and the URIs its operator allows; ``factory_modules`` the module prefixes a
-    user's factories may come from. Messages echo the value given, never what exists.
+
+def policy_problems(role: str, data: dict, factory_modules: list[str], tenant_root: str,
+                    data_uris: list[str] = ()) -> list[str]:
+    """What ``role`` may not put in this spec (a job's, or a sweep's with its space).
+
+    Pure and string-only: nothing named is imported or opened. A relative ``data.source`` is
+    read under ``tenant_root``; ``data_uris`` are what the operator allows the tenant besides;
+    ``factory_modules`` the module prefixes a user's factories may come from. A sweep's every
+    listed value is checked in the trial spec it makes. Messages echo values as given, never
+    where the server keeps things, nor what exists.
     """
-    problems = []
+    from trainers.sweep import trial_spec_view
+
+    base = {k: v for k, v in data.items() if k != "sweep"}
+    problems = spec_problems(role, base, factory_modules, tenant_root, data_uris)
     space = _get(data, "sweep.space")
-    for key in space if isinstance(space, dict) else ():
-        if any(key == f or key.startswith(f + ".") for f in UNSWEEPABLE) or (
-                role == "user" and any(key == f or key.startswith(f + ".") for f in CODE_FIELDS)):
-            problems.append(f"sweep.space.{key}: not searchable over HTTP: it says who owns a trial, what it "
-                            "reads or what code it runs: set it once in the spec")
+    for key, domain in space.items() if isinstance(space, dict) else ():
+        if any(_overlaps(key, f) for f in UNSWEEPABLE):
+            problems.append(f"sweep.space.{key}: not searchable over HTTP: it says (or holds what says) who owns "
+                            "a trial or what it reads: set it once in the spec, and sweep the fields beside it")
+            continue
+        if not any(_overlaps(key, f) for f in ROLE_FIELDS):
+            continue
+        values = next(iter(domain.values())) if isinstance(domain, dict) and len(domain) == 1 else None
+        for value in values if isinstance(values, list) else ():
+            trial = spec_problems(role, trial_spec_view(base, key, value), factory_modules, tenant_root, data_uris)
+            new = [p for p in trial if p not in problems]
+            if new:
+                problems.extend(f"sweep.space.{key}: {json.dumps(value, default=str)[:200]}: {p}" for p in new)
+                break
+    return problems
+
+
+def spec_problems(role: str, data: dict, factory_modules: list[str], tenant_root: str,
+                  data_uris: list[str] = ()) -> list[str]:
+    """What ``role`` may not put in one job spec (see policy_problems)."""
     if role in ("admin", "code"):
-        return problems
+        return []
+    problems = []
     if _get(data, "train_loop") is not None:
         problems.append("train_loop: not allowed for role 'user': your own training loop needs a tenant with "
                         "role 'code' (ask your operator), or use the built-in loop with model/data factories")
@@ -197,11 +224,11 @@ def policy_problems(role: str, data: dict, factory_modules: list[str], data_root
             problems.append(f"{field}: {json.dumps(ref, default=str)[:200]}: not allowed for role 'user': "
                             f"factories may come from modules under: {allowed} (your operator sets the list)")
     source = _get(data, "data.source")
-    if isinstance(source, str) and not source.startswith("builtin:") and not any(is_under(source, r)
-                                                                                  for r in data_roots):
-        problems.append(f"data.source: {json.dumps(source)[:300]}: outside your data: role 'user' reads only "
-                        "under its own storage prefix (give a path relative to it, e.g. 'data/train.parquet') "
-                        "or URIs your operator allows")
+    if source is not None and not (isinstance(source, str) and (source.startswith("builtin:") or any(
+            is_under(in_tenant_data(source, tenant_root), r) for r in (tenant_root, *data_uris)))):
+        problems.append(f"data.source: {json.dumps(source, default=str)[:300]}: outside your data: role 'user' "
+                        "reads only under its own storage prefix (give a path relative to it, e.g. "
+                        "'data/train.parquet') or URIs your operator allows")
     return problems
 
 

@@ -109,9 +109,12 @@ class Forbidden(Exception):
 
 
 def sweep_trials(sweep) -> int:
-    """Trials a sweep runs: its samples, times every grid's length (Tune multiplies them)."""
-    grids = [len(d["grid"]) for d in sweep.space.values() if isinstance(d, dict) and isinstance(d.get("grid"), list)]
-    return sweep.samples * math.prod(grids)
+    """Trials a sweep runs: its samples, times the length of every list Tune enumerates (every grid,
+    and under search: grid every choice too; Tune multiplies them)."""
+    enumerated = ("grid", "choice") if sweep.search == "grid" else ("grid",)
+    lists = [len(arg) for d in sweep.space.values() if isinstance(d, dict)
+             for kind, arg in d.items() if kind in enumerated and isinstance(arg, list)]
+    return sweep.samples * math.prod(lists)
 
 
 class Conflict(Exception):
@@ -159,22 +162,22 @@ class JobManager:
         """(the user's name, the spec to run, quota slots) for a submitted body.
 
         The role's rules come first (Forbidden), on the spec's strings alone; then the spec is
-        validated without importing anything it names (SpecError lists every problem).
+        validated without importing anything it names (SpecError lists every problem). Both check
+        the data source as given, so their messages echo it and never the server's paths; it is
+        placed under the tenant's prefix only in the spec to run.
         """
         if not isinstance(data, dict):
             raise SpecError(["(top level): a spec is a mapping of sections"])
         tenant, troot = who.tenant, self.tenant_root(who.tenant)
-        name = str(data.get("name") or kind)
-        run = dict(copy.deepcopy(data), name=record_id)
-        section = run.get("data")
-        if isinstance(section, dict) and isinstance(section.get("source"), str):
-            run["data"] = dict(section, source=in_tenant_data(section["source"], troot.uri))
-        problems = policy_problems(who.role, run, self.settings.factory_modules,
-                                   [troot.uri, *self.settings.tenant_data_uris.get(tenant, [])])
+        problems = policy_problems(who.role, data, self.settings.factory_modules, troot.uri,
+                                   self.settings.tenant_data_uris.get(tenant, []))
         if problems:
             raise Forbidden(problems)
+        name = str(data.get("name") or kind)
+        run = dict(copy.deepcopy(data), name=record_id)
         run["checkpoint"] = dict(run.get("checkpoint") or {}, storage_root=troot.uri)
         run["labels"] = {**(run.get("labels") if isinstance(run.get("labels"), dict) else {}), "tenant": tenant}
+        slots = 1
         with refs_not_imported():
             if kind == "sweep":
                 from trainers.sweep import plan_from_data
@@ -188,11 +191,15 @@ class JobManager:
                 if trials > cap:
                     raise QuotaExceeded(f"sweep.num_samples: this sweep runs {trials} trials, role {who.role!r} may "
                                         f"run at most {cap} per sweep: lower num_samples or the grid")
-                return name, run, min(plan.sweep.max_concurrent_trials, trials)
-            if "sweep" in run:
+                slots = min(plan.sweep.max_concurrent_trials, trials)
+            elif "sweep" in run:
                 raise SpecError(["sweep: a job takes no sweep section: POST it to /v1/sweeps"])
-            validate(run)
-        return name, run, 1
+            else:
+                validate(run)
+        section = run.get("data")
+        if isinstance(section, dict) and isinstance(section.get("source"), str):
+            run["data"] = dict(section, source=in_tenant_data(section["source"], troot.uri))
+        return name, run, slots
 
     def quota(self, tenant: str) -> int:
         return self.settings.tenant_quotas.get(tenant, self.settings.max_active_per_tenant)
@@ -212,13 +219,16 @@ class JobManager:
         """Check, store and submit; returns (record, created). A repeated Idempotency-Key returns
         the record it made the first time (and submits it if a crash cut that short)."""
         tenant = who.tenant
-        with self._lock:
-            if idempotency_key:
+        if idempotency_key:
+            with self._lock:
                 bound = self.store.key_binding(tenant, idempotency_key)
                 if bound:
                     return self._replay(bound, body_sha256), False
-            record_id = new_id(kind)
-            name, run, slots = self.check_spec(kind, data, who, record_id)
+        # Outside the lock: checking a spec is the slow part of a submit, and other tenants' requests
+        # need not wait for it. The quota, the key and the record are taken together under it.
+        record_id = new_id(kind)
+        name, run, slots = self.check_spec(kind, data, who, record_id)
+        with self._lock:
             self.check_quota(tenant, slots)
             if idempotency_key:
                 bound = self.store.claim_key(tenant, idempotency_key, record_id, body_sha256)

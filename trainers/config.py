@@ -473,8 +473,34 @@ class _SpecLoader(yaml.CSafeLoader):
                              f"numbers in a spec have at most {MAX_INT_DIGITS} digits"])
         return self.construct_yaml_int(node)
 
+    def construct_timestamp_text(self, node: yaml.ScalarNode) -> str:
+        """A date or time as written: a spec is stored as JSON, which has no dates."""
+        return self.construct_scalar(node)
+
 
 _SpecLoader.add_constructor("tag:yaml.org,2002:int", _SpecLoader.construct_bounded_int)
+_SpecLoader.add_constructor("tag:yaml.org,2002:timestamp", _SpecLoader.construct_timestamp_text)
+
+# What YAML can hold and JSON cannot (the spec is stored and passed on as JSON), by the tag a user wrote.
+_NOT_JSON = {bytes: "binary data (!!binary)", set: "a set (!!set)"}
+
+
+def _json_unsafe(data: Any) -> str | None:
+    """Where ``data`` holds a value (or a key) JSON cannot, as 'path: what', or None; walked without recursion."""
+    stack = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key, child in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if not isinstance(key, (str, int, float, bool)) and key is not None:
+                    return f"{where}: {_NOT_JSON.get(type(key), type(key).__name__)} as a key"
+                stack.append((child, where))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(value))
+        elif not isinstance(value, (str, int, float, bool)) and value is not None:
+            return f"{path or '(top level)'}: {_NOT_JSON.get(type(value), type(value).__name__)}"
+    return None
 
 
 def _yaml_shape_problem(text: str) -> str | None:
@@ -536,8 +562,13 @@ def parse_text(text: str, source: str, fmt: Literal["auto", "json"] = "auto") ->
             data = json.loads(text, parse_int=_bounded_json_int)
             problem = _json_shape_problem(data)
         else:
-            problem = _yaml_shape_problem(text)
-            data = None if problem else yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a safe loader)
+            problem, data = _yaml_shape_problem(text), None
+            if not problem:
+                data = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a safe loader)
+                unsafe = _json_unsafe(data)
+                if unsafe:
+                    problem = (f"{unsafe}: a spec holds text, numbers, true/false, lists and mappings only: "
+                               "write the value as a string")
     except SpecError as exc:
         raise SpecError([f"{source}: {p}" for p in exc.problems]) from None
     except json.JSONDecodeError as exc:

@@ -47,6 +47,10 @@ RANGE_DOMAINS = ("uniform", "loguniform", "randint")
 METRICS = ("loss", "samples_per_s", "steady_samples_per_s", "tokens_per_s", "train_seconds")
 # Trials are compared at equal data seen, so batch sizes compete on the same number of samples.
 TIME_ATTR = "epochs_done"
+# Every listed value is checked in its trial's job spec before a sweep is accepted, at a cost that
+# grows with the spec: the values a space lists in all are bounded, so that check stays short (a
+# search needs far fewer; a range samples from many).
+MAX_SPACE_VALUES = 256
 TRIAL_DRIVER_CPU = 0.05
 TRIAL_POLL_INTERVAL_S = 0.5
 
@@ -102,6 +106,20 @@ def trial_spec_data(base: dict, values: dict[str, Any]) -> dict:
     return data
 
 
+def trial_spec_view(base: dict, key: str, value: Any) -> dict:
+    """The base with one value set, sharing every part the key does not pass through: for checks
+    that only read it (cheap for every listed value of a space, where a deep copy each is not)."""
+    top = dict(base)
+    node = top
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        node[part] = dict(child) if isinstance(child, dict) else {}
+        node = node[part]
+    node[parts[-1]] = value
+    return top
+
+
 def domain_problems(key: str, domain: Any, search: str) -> list[str]:
     """Shape checks of one space entry: one known domain, sensible bounds, fits the searcher."""
     path = f"sweep.space.{key}"
@@ -144,7 +162,7 @@ def candidate_values(domain: dict) -> list[Any]:
 
 def space_problems(sweep: SweepConfig, base: dict) -> list[str]:
     """Every problem of the search space at once, each naming ``sweep.space.<key>``."""
-    problems = []
+    problems, listed = [], 0
     if not sweep.space:
         return ["sweep.space: {}: empty: name at least one key to vary, e.g. training.learning_rate: "
                 "{loguniform: [1.0e-4, 1.0e-1]}"]
@@ -164,9 +182,16 @@ def space_problems(sweep: SweepConfig, base: dict) -> list[str]:
         if shape:
             problems.extend(shape)
             continue
-        for value in candidate_values(domain):
+        kind, values = next(iter(domain)), candidate_values(domain)
+        listed += len(values)
+        if listed > MAX_SPACE_VALUES:
+            problems.append(f"{path}.{kind}: {len(values)} values, {listed} in the space so far: a space lists at most "
+                            f"{MAX_SPACE_VALUES} values in all (a range counts its two ends): list fewer, or sample "
+                            "a range (uniform, loguniform, randint)")
+            break
+        for value in values:
             try:
-                validate(trial_spec_data(base, {key: value}))
+                validate(trial_spec_view(base, key, value))
             except SpecError as exc:
                 problems.append(f"{path}: {json.dumps(value)} makes the job spec invalid: {exc.problems[0]}")
                 break

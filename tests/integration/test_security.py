@@ -109,6 +109,7 @@ def rss_bytes(pid: int) -> int:
 def test_a_user_tenant_cannot_run_a_command_and_nothing_runs(service):
     marker = service.work / "pwned-marker"
     before = api(service, "GET", "/v1/jobs", "root").json()["total"]
+    sweeps_before = api(service, "GET", "/v1/sweeps", "root").json()["total"]
     attacks = [
         ("data.factory", {"data": {"factory": "subprocess:run", "options": {"args": ["touch", str(marker)]}}}),
         ("model.factory", {"model": {"factory": "os:system", "options": {"command": f"touch {marker}"}},
@@ -119,6 +120,13 @@ def test_a_user_tenant_cannot_run_a_command_and_nothing_runs(service):
         r = api(service, "POST", "/v1/jobs", json={"name": "x", **body})
         assert r.status_code == 403, (field, r.text)
         assert any(p.startswith(field) and "not allowed for role 'user'" in p for p in r.json()["problems"]), r.json()
+    # A sweep over a whole section would set the same fields in its trials: refused the same way.
+    for section, message in (("data", "sweep.space.data: not searchable"),
+                             ("model", 'sweep.space.model: {"factory": "subprocess:run"')):
+        body = {"training": {"max_steps": 5}, "sweep": {"space": {section: {"choice": [
+            {"factory": "subprocess:run", "options": {"args": ["touch", str(marker)]}}]}}}}
+        r = api(service, "POST", "/v1/sweeps", json=body)
+        assert r.status_code == 403 and any(p.startswith(message) for p in r.json()["problems"]), (section, r.text)
     # The refusal reads the name only: a module that exists and one that does not get the same answer.
     real = api(service, "POST", "/v1/jobs", json={"data": {"factory": "subprocess:run"}}).json()["problems"]
     fake = api(service, "POST", "/v1/jobs", json={"data": {"factory": "no_such_mod_zz:run"}}).json()["problems"]
@@ -129,19 +137,23 @@ def test_a_user_tenant_cannot_run_a_command_and_nothing_runs(service):
     time.sleep(2)
     assert not marker.exists()
     assert api(service, "GET", "/v1/jobs", "root").json()["total"] == before  # nothing stored, nothing submitted
+    assert api(service, "GET", "/v1/sweeps", "root").json()["total"] == sweeps_before
 
 
 def test_a_user_reads_only_its_own_data_and_runs_allowed_factories(service):
     team_b = service.root / "tenants" / "team-b" / "data"
     team_b.mkdir(parents=True)
     pq.write_table(pa.table({"features": [[0.0, 1.0, 2.0, 3.0]] * 64, "label": [1] * 64}), team_b / "secret.parquet")
+    mine_uri = f"file://{service.root}/tenants/team-a"
     for source in (str(team_b / "secret.parquet"), "../team-b/data/secret.parquet",
+                   f"{mine_uri}/%2e%2e/team-b/data/secret.parquet", f"{mine_uri}/..%2fteam-b/data/secret.parquet",
                    str(service.state / "service.sqlite3"), str(service.state) + "/", "s3://elsewhere/x.parquet"):
         r = api(service, "POST", "/v1/jobs", json=quick_job("steal", data={"source": source},
                                                              model={"factory": "userpkg:make_model"}))
         assert r.status_code == 403, (source, r.text)
-        assert "data.source" in r.json()["problems"][0] and "outside your data" in r.json()["problems"][0]
+        assert r.json()["problems"][0].startswith(f"data.source: {json.dumps(source)}: outside your data"), r.text
         assert "service.sqlite3" not in r.text.replace(source, "") and "records" not in r.text  # lists nothing
+        assert str(service.root) not in r.text.replace(source, "")  # the value as given, no server path added
 
     # Its own prefix, given relative to it, with factories from the operator's list: runs.
     mine = service.root / "tenants" / "team-a" / "data"
@@ -314,6 +326,10 @@ def test_malformed_requests_are_4xx_and_ids_are_checked(service):
     for body in (b"", b"   ", b"[1]", b"{", b"null", b"a: [1, 2"):
         r = api(service, "POST", "/v1/jobs", data=body, headers={"Content-Type": "application/yaml"})
         assert r.status_code == 422, (body, r.text)
+    for body, field in ((b"data: {options: {x: !!binary AAAA/w==}}", "body: data.options.x: binary data"),
+                        (b"model: {options: {x: !!set {a, b}}}", "body: model.options.x: a set")):
+        r = api(service, "POST", "/v1/jobs", data=body, headers={"Content-Type": "application/yaml"})
+        assert r.status_code == 422 and field in r.text, (body, r.text)  # JSON cannot hold it: never a 500
     login = requests.post(service.url + "/ui/login", data=b"\xff\xfe=%%%", timeout=30)
     assert login.status_code == 401
 
@@ -330,6 +346,10 @@ def test_sweeps_count_against_the_quota_and_cannot_sweep_ownership(service):
     assert many.status_code == 429 and "runs 10000 trials, role 'user' may run at most 64" in many.json()["detail"]
     wide = api(service, "POST", "/v1/sweeps", "sweeper", json=sweep_body(num_samples=8, max_concurrent_trials=1000))
     assert wide.status_code == 429 and "quota of 3 slots" in wide.json()["detail"] and "needs 8" in wide.json()["detail"]
+    grid = api(service, "POST", "/v1/sweeps", "sweeper", json={**quick_job("sw"), "sweep": {
+        "search": "grid", "space": {"training.seed": {"choice": list(range(10))},
+                                    "training.learning_rate": {"choice": [0.1, 0.01, 0.001, 0.0001, 0.00001, 0.2, 0.3]}}}})
+    assert grid.status_code == 429 and "runs 70 trials" in grid.json()["detail"]  # search: grid enumerates choices
     owner = api(service, "POST", "/v1/sweeps", "sweeper",
                 json={**quick_job("sw"), "sweep": {"space": {"labels.tenant": {"choice": ["team-a", "team-b"]}}}})
     assert owner.status_code == 403 and "sweep.space.labels.tenant: not searchable" in owner.text

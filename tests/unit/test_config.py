@@ -206,3 +206,30 @@ def test_the_service_validates_without_importing_what_a_spec_names(tmp_path, mon
     assert not marker.exists()
     validate(spec)  # outside the block (etrain run): imported, so a typo fails before anything starts
     assert marker.exists()
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("training: {max_steps: 5}\ndata: {options: {x: !!binary AAAA/w==}}\n",
+     "body: data.options.x: binary data (!!binary): a spec holds text, numbers, true/false, lists and mappings only"),
+    ("model: {options: {x: !!set {a, b}}}\n", "body: model.options.x: a set (!!set): a spec holds text"),
+    ("model: {options: {x: [1, !!binary AAAA]}}\n", "body: model.options.x[1]: binary data (!!binary)"),
+    ("model: {options: {!!binary AAAA: 1}}\n", "as a key"),
+    ("name: !!binary AAAA/w==\n", "body: name: binary data (!!binary)"),
+])
+def test_yaml_values_json_cannot_hold_are_refused_naming_the_field(text, expected):
+    from trainers.config import parse_text
+
+    with pytest.raises(SpecError) as info:
+        parse_text(text, "body")
+    assert expected in info.value.problems[0], info.value.problems
+
+
+def test_yaml_dates_and_times_stay_the_text_written():
+    import json
+
+    from trainers.config import parse_text
+
+    data = parse_text("model: {options: {at: 2001-12-14t21:59:43.10-05:00, day: 2002-12-14, "
+                      "2003-01-01: k}}\n", "body")
+    assert data["model"]["options"] == {"at": "2001-12-14t21:59:43.10-05:00", "day": "2002-12-14", "2003-01-01": "k"}
+    json.dumps(data)  # the service stores a spec as JSON

@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from service.auth import (TokenConfigError, Tokens, bootstrap_admin, hash_token, in_tenant_data, is_under, load_tokens,
-                          parse_entries, policy_problems)
-from service.jobs import JobManager, ServiceSettings, reconcile_decision, sweep_trials
+from service.auth import (Principal, TokenConfigError, Tokens, bootstrap_admin, hash_token, in_tenant_data, is_under,
+                          load_tokens, parse_entries, policy_problems)
+from service.jobs import Forbidden, JobManager, QuotaExceeded, ServiceSettings, reconcile_decision, sweep_trials
 from service.store import Record, Store
+from trainers.config import SpecError
 
 DECISIONS = [
     # state, Ray's status of the latest attempt, the run's own summary status -> next state, resubmit
@@ -112,7 +113,6 @@ def test_an_idempotency_key_binds_once(tmp_path):
 # ---------------------------------------------------------------- what a role may put in a spec
 
 ROOT = "/srv/etrain/tenants/team-a"
-ROOTS = [ROOT, "s3://shared-data/public"]
 POLICY = [
     # role, spec, expected problem (None: allowed)
     ("user", {"data": {"factory": "subprocess:run", "options": {"args": ["sh"]}}},
@@ -130,9 +130,32 @@ POLICY = [
     ("user", {"data": {"source": "/srv/etrain/tenants/team-a/data/d.parquet"}}, None),
     ("user", {"data": {"source": "s3://shared-data/public/x/"}}, None),
     ("user", {"data": {"source": "builtin:digits"}}, None),
+    ("user", {"data": {"source": "../team-b/d.parquet"}}, "data.source: \"../team-b/d.parquet\": outside your data"),
+    ("user", {"data": {"source": "data/d.parquet"}}, None),
+    # %-escapes are decoded where the URI is opened (pyarrow), so they are decoded before the check
+    ("user", {"data": {"source": "file:///srv/etrain/tenants/team-a/%2e%2e/team-b/d.parquet"}}, "outside your data"),
+    ("user", {"data": {"source": "file:///srv/etrain/tenants/team-a/..%2fteam-b/d.parquet"}}, "outside your data"),
+    ("user", {"data": {"source": "s3://shared-data/public/%2E%2E/private/x.parquet"}}, "outside your data"),
+    ("user", {"data": {"source": "file:///srv/etrain/tenants/team-a/data%20set/d.parquet"}}, None),
     ("user", {"sweep": {"space": {"labels.tenant": {"choice": ["b"]}}}}, "sweep.space.labels.tenant: not searchable"),
-    ("user", {"sweep": {"space": {"data.factory": {"choice": ["userpkg:x"]}}}}, "sweep.space.data.factory"),
+    ("user", {"sweep": {"space": {"data.factory": {"choice": ["userpkg:x", "subprocess:run"]}}}},
+     "sweep.space.data.factory: \"subprocess:run\": data.factory: \"subprocess:run\": not allowed for role 'user'"),
+    ("user", {"sweep": {"space": {"model.factory": {"choice": ["userpkg:a", "userpkg.sub:b"]}}}}, None),
+    ("user", {"sweep": {"space": {"train_loop": {"choice": ["userpkg:own_loop"]}}}},
+     "sweep.space.train_loop: \"userpkg:own_loop\": train_loop: not allowed for role 'user'"),
+    # a whole section swept: what lies inside it is checked too
+    ("user", {"sweep": {"space": {"data": {"choice": [{"factory": "subprocess:run", "options": {"args": ["sh"]}}]}}}},
+     "sweep.space.data: not searchable over HTTP"),
+    ("user", {"sweep": {"space": {"model": {"grid": [{"factory": "userpkg:a"}, {"factory": "os:system"}]}}}},
+     "sweep.space.model: {\"factory\": \"os:system\"}: model.factory: \"os:system\": not allowed for role 'user'"),
+    ("user", {"sweep": {"space": {"model": {"choice": [{"factory": "userpkg:a", "hidden_size": 8}]}}}}, None),
+    ("code", {"sweep": {"space": {"data": {"choice": [{"source": "/srv/etrain/tenants/team-b/d.parquet"}]}}}},
+     "sweep.space.data: not searchable"),
+    ("code", {"sweep": {"space": {"checkpoint": {"choice": [{"storage_root": "/srv/etrain/tenants/team-b"}]}}}},
+     "sweep.space.checkpoint: not searchable"),
     ("code", {"sweep": {"space": {"name": {"choice": ["x"]}}}}, "sweep.space.name: not searchable"),
+    ("code", {"sweep": {"space": {"data.num_workers": {"choice": [0, 2]}, "model": {"choice": [{"factory": "x:y"}]}}}},
+     None),
     ("code", {"train_loop": "anything:fn", "data": {"factory": "x:y", "source": "/elsewhere/d.parquet"}}, None),
     ("admin", {"model": {"factory": "os:system"}}, None),
 ]
@@ -140,7 +163,7 @@ POLICY = [
 
 @pytest.mark.parametrize("role,spec,expected", POLICY)
 def test_what_a_role_may_name(role, spec, expected):
-    problems = policy_problems(role, spec, ["userpkg"], ROOTS)
+    problems = policy_problems(role, spec, ["userpkg"], ROOT, ["s3://shared-data/public"])
     if expected is None:
         assert problems == []
     else:
@@ -153,6 +176,79 @@ def test_relative_sources_are_read_in_the_tenants_prefix_and_cannot_climb_out():
     assert not is_under(in_tenant_data("../team-b/d.parquet", ROOT), ROOT)
     assert not is_under(in_tenant_data("../../service/x.parquet", "s3://b/tenants/a"), "s3://b/tenants/a")
     assert in_tenant_data("builtin:text", ROOT) == "builtin:text"
+
+
+@pytest.mark.parametrize("escaped", ["%2e%2e/bob", "..%2fbob", "%2E%2E%2Fbob"])
+def test_a_percent_escaped_climb_that_pyarrow_would_follow_is_refused(tmp_path, escaped):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainers.data import read_table
+
+    (tmp_path / "tenants" / "alice").mkdir(parents=True)
+    (tmp_path / "tenants" / "bob").mkdir()
+    pq.write_table(pa.table({"secret": [42]}), tmp_path / "tenants" / "bob" / "x.parquet")
+    uri = f"file://{tmp_path}/tenants/alice/{escaped}/x.parquet"
+    assert read_table(uri).column("secret").to_pylist() == [42]  # the reader decodes it: this is bob's data
+    problems = policy_problems("user", {"data": {"source": uri}}, [], str(tmp_path / "tenants" / "alice"))
+    assert problems and "outside your data" in problems[0]
+
+
+def manager(tmp_path, **settings) -> JobManager:
+    return JobManager(ServiceSettings(storage_root=str(tmp_path / "root"), state_dir=str(tmp_path / "state"),
+                                      ray_dashboard_url="http://127.0.0.1:1", **settings), client=object())
+
+
+ALICE = Principal(tenant="alice", role="user")
+
+
+@pytest.mark.parametrize("spec,error,echoed", [
+    ({"data": {"source": "../bob/x.parquet"}}, Forbidden, '"../bob/x.parquet": outside your data'),
+    ({"sweep": {"space": {"model": {"choice": [{"factory": "os:system"}]}}}}, Forbidden, '"os:system": not allowed'),
+    ({"data": {"source": "data/x.csv"}}, SpecError, 'data.source: "data/x.csv": must be a .parquet file'),
+])
+def test_refusals_echo_the_spec_as_given_never_the_servers_paths(tmp_path, spec, error, echoed):
+    mgr = manager(tmp_path)
+    kind = "sweep" if "sweep" in spec else "job"
+    with pytest.raises(error) as info:
+        mgr.check_spec(kind, {"training": {"max_steps": 5}, **spec}, ALICE, "j-000000000000")
+    assert any(echoed in p for p in info.value.problems), info.value.problems
+    assert str(tmp_path) not in json.dumps(info.value.problems)
+
+
+def test_a_relative_source_runs_from_the_tenants_prefix(tmp_path):
+    mgr = manager(tmp_path)
+    _, run, _ = mgr.check_spec("job", {"data": {"source": "data/x.parquet"}}, ALICE, "j-000000000000")
+    assert run["data"]["source"] == str(tmp_path / "root" / "tenants" / "alice" / "data" / "x.parquet")
+
+
+def test_a_grid_search_over_choices_counts_every_combination_against_the_trial_cap(tmp_path):
+    mgr = manager(tmp_path)
+    space = {"training.seed": {"choice": list(range(10))}, "training.learning_rate": {"choice": [0.1, 0.01, 0.001]}}
+    with pytest.raises(QuotaExceeded, match="this sweep runs 60 trials, role 'user' may run at most 50 per sweep"):
+        manager(tmp_path, max_sweep_trials={"user": 50}).check_spec(
+            "sweep", {"sweep": {"search": "grid", "num_samples": 2, "space": space}}, ALICE, "s-000000000000")
+    _, _, slots = mgr.check_spec("sweep", {"sweep": {"search": "grid", "max_concurrent_trials": 4, "space": space}},
+                                 ALICE, "s-000000000000")
+    assert slots == 4
+
+
+def test_a_submit_checks_its_spec_without_holding_the_services_lock(tmp_path):
+    import threading
+
+    mgr = manager(tmp_path)
+    seen = []
+
+    def check_spec(*args):
+        other = threading.Thread(target=lambda: seen.append(mgr._lock.acquire(blocking=False)))
+        other.start()
+        other.join()
+        raise QuotaExceeded("stop here")
+
+    mgr.check_spec = check_spec
+    with pytest.raises(QuotaExceeded):
+        mgr.create("job", ALICE, {}, None, "x")
+    assert seen == [True]  # another request could take the lock meanwhile
 
 
 def test_settings_refuse_a_state_folder_inside_the_storage_root(tmp_path):
@@ -182,6 +278,8 @@ def test_a_jobs_environment_has_no_service_secrets_and_the_tenants_own(tmp_path,
     ({"num_samples": 3, "space": {"training.learning_rate": {"uniform": [0.1, 1]}}}, 3),
     ({"search": "grid", "space": {"training.learning_rate": {"grid": [1, 2, 3]}, "training.seed": {"grid": [1, 2]}}}, 6),
     ({"search": "grid", "num_samples": 2, "space": {"training.seed": {"grid": [1, 2]}}}, 4),
+    ({"search": "grid", "space": {"training.seed": {"choice": [1, 2, 3]}, "data.num_workers": {"grid": [0, 1]}}}, 6),
+    ({"space": {"training.seed": {"choice": [1, 2, 3]}, "data.num_workers": {"grid": [0, 1]}}}, 16),
 ])
 def test_sweep_trials_count_every_grid(sweep, trials):
     from trainers.sweep import SweepConfig
