@@ -192,6 +192,8 @@ def policy_problems(role: str, data: dict, factory_modules: list[str], tenant_ro
     problems = spec_problems(role, base, factory_modules, tenant_root, data_uris)
     space = _get(data, "sweep.space")
     for key, domain in space.items() if isinstance(space, dict) else ():
+        if not isinstance(key, str):
+            continue  # not a spec key at all: the sweep's own checks refuse it
         if any(_overlaps(key, f) for f in UNSWEEPABLE):
             problems.append(f"sweep.space.{key}: not searchable over HTTP: it says (or holds what says) who owns "
                             "a trial or what it reads: set it once in the spec, and sweep the fields beside it")
@@ -224,9 +226,9 @@ def spec_problems(role: str, data: dict, factory_modules: list[str], tenant_root
             problems.append(f"{field}: {json.dumps(ref, default=str)[:200]}: not allowed for role 'user': "
                             f"factories may come from modules under: {allowed} (your operator sets the list)")
     source = _get(data, "data.source")
-    if source is not None and not (isinstance(source, str) and (source.startswith("builtin:") or any(
-            is_under(in_tenant_data(source, tenant_root), r) for r in (tenant_root, *data_uris)))):
-        problems.append(f"data.source: {json.dumps(source, default=str)[:300]}: outside your data: role 'user' "
+    if isinstance(source, str) and not source.startswith("builtin:") and not any(
+            is_under(in_tenant_data(source, tenant_root), r) for r in (tenant_root, *data_uris)):
+        problems.append(f"data.source: {json.dumps(source)[:300]}: outside your data: role 'user' "
                         "reads only under its own storage prefix (give a path relative to it, e.g. "
                         "'data/train.parquet') or URIs your operator allows")
     return problems

@@ -154,6 +154,7 @@ POLICY = [
     ("code", {"sweep": {"space": {"checkpoint": {"choice": [{"storage_root": "/srv/etrain/tenants/team-b"}]}}}},
      "sweep.space.checkpoint: not searchable"),
     ("code", {"sweep": {"space": {"name": {"choice": ["x"]}}}}, "sweep.space.name: not searchable"),
+    ("user", {"sweep": {"space": {1: {"choice": ["x"]}}}}, None),  # a YAML key that is no spec key: 422 later, no crash
     ("code", {"sweep": {"space": {"data.num_workers": {"choice": [0, 2]}, "model": {"choice": [{"factory": "x:y"}]}}}},
      None),
     ("code", {"train_loop": "anything:fn", "data": {"factory": "x:y", "source": "/elsewhere/d.parquet"}}, None),
