@@ -23,11 +23,13 @@ import os
 import posixpath
 import secrets
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 from urllib.parse import unquote, urlparse
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from trainers.sweep import trial_spec_view
 
 
 TENANT_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
@@ -177,7 +179,7 @@ def _overlaps(key: str, field: str) -> bool:
 
 
 def policy_problems(role: str, data: dict, factory_modules: list[str], tenant_root: str,
-                    data_uris: list[str] = ()) -> list[str]:
+                    data_uris: Sequence[str] = ()) -> list[str]:
     """What ``role`` may not put in this spec (a job's, or a sweep's with its space).
 
     Pure and string-only: nothing named is imported or opened. A relative ``data.source`` is
@@ -186,8 +188,6 @@ def policy_problems(role: str, data: dict, factory_modules: list[str], tenant_ro
     listed value is checked in the trial spec it makes. Messages echo values as given, never
     where the server keeps things, nor what exists.
     """
-    from trainers.sweep import trial_spec_view
-
     base = {k: v for k, v in data.items() if k != "sweep"}
     problems = spec_problems(role, base, factory_modules, tenant_root, data_uris)
     space = _get(data, "sweep.space")
@@ -211,7 +211,7 @@ def policy_problems(role: str, data: dict, factory_modules: list[str], tenant_ro
 
 
 def spec_problems(role: str, data: dict, factory_modules: list[str], tenant_root: str,
-                  data_uris: list[str] = ()) -> list[str]:
+                  data_uris: Sequence[str] = ()) -> list[str]:
     """What ``role`` may not put in one job spec (see policy_problems)."""
     if role in ("admin", "code"):
         return []
