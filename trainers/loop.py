@@ -67,6 +67,13 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step) * 1_009 + rank
 
 
+def plan_for(spec: JobSpec, dataset) -> BatchPlan:
+    """The job's order of global batches: what a resume must find again, whatever the workers."""
+    lengths = getattr(dataset, "lengths", None)
+    return BatchPlan(len(dataset), spec.training.batch_size, spec.training.seed, spec.data.shuffle,
+                     lengths=lengths if spec.data.dynamic_batching else None, min_batch=spec.distributed.max_workers)
+
+
 def train_loop_per_worker(config: dict) -> None:
     spec = JobSpec.model_validate(config["spec"])
     t, d = spec.training, spec.distributed
@@ -78,9 +85,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     workload = resolve(spec)
     dataset = workload.dataset(spec, config["data_uri"])
-    lengths = getattr(dataset, "lengths", None)
-    plan = BatchPlan(len(dataset), t.batch_size, t.seed, spec.data.shuffle,
-                     lengths=lengths if spec.data.dynamic_batching else None, min_batch=d.max_workers)
+    plan = plan_for(spec, dataset)
     target = target_step(spec, plan.steps_per_epoch)
     stop = min(target, config.get("stop_at_step") or target)
 
