@@ -71,7 +71,7 @@ def plan_for(spec: JobSpec, dataset) -> BatchPlan:
     """The job's order of global batches: what a resume must find again, whatever the workers."""
     lengths = getattr(dataset, "lengths", None)
     return BatchPlan(len(dataset), spec.training.batch_size, spec.training.seed, spec.data.shuffle,
-                     lengths=lengths if spec.data.dynamic_batching else None, min_batch=spec.distributed.max_workers)
+                     lengths=lengths if spec.data.dynamic_batching else None)
 
 
 def train_loop_per_worker(config: dict) -> None:
