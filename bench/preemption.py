@@ -44,6 +44,7 @@ def main() -> None:
 
     from cluster.spot import IMDS, drain_node, watch
     from trainers.config import validate
+    from trainers.home import job_home
     from trainers.launch import run_job
 
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -63,7 +64,7 @@ def main() -> None:
         })
         records_path = root / "bench-preempt" / "interruptions.json"
         records = lambda: json.loads(records_path.read_text()) if records_path.exists() else []  # noqa: E731
-        key = b"etrain/bench-preempt/heartbeat"
+        key = f"{job_home(spec).key}/heartbeat".encode()
         result: dict = {}
         submitted = time.time()
         say = lambda m: print(m, file=sys.stderr)  # noqa: E731

@@ -145,6 +145,8 @@ class JobManager:
         name = str(data.get("name") or kind)
         run = dict(data, name=record_id)
         run["checkpoint"] = dict(run.get("checkpoint") or {}, storage_root=self.tenant_root(tenant).uri)
+        if isinstance(run["checkpoint"].get("path"), str):  # an absolute path stays in the tenant's job folder
+            run["checkpoint"]["path"] = run["checkpoint"]["path"].lstrip("/")
         run["labels"] = {**(run.get("labels") if isinstance(run.get("labels"), dict) else {}), "tenant": tenant}
         if kind == "sweep":
             from trainers.sweep import plan_from_data
@@ -280,6 +282,14 @@ class JobManager:
                 for c in ckpt.list_checkpoints(troot.fs, run_path)]
 
     @staticmethod
+    def job_key(record: Record) -> str:
+        """The job's name in Ray's KV, as its driver derives it (trainers.home): folder, not bare name."""
+        from trainers.config import JobSpec
+        from trainers.home import job_home
+
+        return job_home(JobSpec.model_validate(record.spec)).key
+
+    @staticmethod
     def _ckpt_folder(record: Record) -> str:
         from trainers.config import JobSpec
 
@@ -318,7 +328,7 @@ class JobManager:
             if record.state == "STOPPING":
                 return record
             if record.kind == "job":
-                StopFlag(record.id).request()
+                StopFlag(self.job_key(record)).request()
             record.move("STOPPING", "stop requested")
             self.store.save(record)
         sid = record.submissions[-1] if record.submissions else None

@@ -81,6 +81,7 @@ def train_loop_per_worker(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     root = open_root(config["storage_uri"])
+    job, job_key = config["job_dir"], config["job_key"]  # the job's folder under root, its name in Ray's KV
     run_path = config["run_path"]
 
     workload = resolve(spec)
@@ -137,18 +138,17 @@ def train_loop_per_worker(config: dict) -> None:
               f"(micro-batch {micro} x {accum} accumulation{', dynamic by tokens' if spec.data.dynamic_batching else ''}); "
               f"steps {start} -> {stop} of {target}, {plan.steps_per_epoch} per epoch", flush=True)
 
-    beats = Heartbeats(spec.name, config.get("run_id") or "", HEARTBEAT_INTERVAL_S) if rank == 0 else None
-    stop_flag = StopFlag(spec.name) if rank == 0 else None
+    beats = Heartbeats(job_key, config.get("run_id") or "", HEARTBEAT_INTERVAL_S) if rank == 0 else None
+    stop_flag = StopFlag(job_key) if rank == 0 else None
     kinds = [(ray.get_runtime_context().get_node_id(), own_node_kind())]
     if world > 1:  # once per attempt: which nodes the group runs on, for its cost
         gathered = [None] * world
         dist.all_gather_object(gathered, kinds[0])
         kinds = gathered
     observer = Observer(spec, root, rank, device, config.get("submitted_at") or time.time(), restored,
-                        group_kinds(kinds))
+                        group_kinds(kinds), job=job)
     if rank == 0:
-        observer.interruptions(root.read_json(spec.name, INTERRUPTIONS_FILE)
-                               if root.exists(spec.name, INTERRUPTIONS_FILE) else [])
+        observer.interruptions(root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else [])
     pending = beats.last() if beats else None  # the attempt before this one died at its last beat
 
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config["mixed_precision"])
@@ -193,8 +193,8 @@ def train_loop_per_worker(config: dict) -> None:
             steady_start = time.perf_counter()  # the first step pays for warm-up; measure after it
             if pending is not None:
                 launcher_cause = config.get("previous_failure") if pending.time < config.get("attempt_started_at", 0) else None
-                record_interruption(root, spec.name, pending, start, world, launcher_cause)
-                observer.interruptions(root.read_json(spec.name, INTERRUPTIONS_FILE))
+                record_interruption(root, job, pending, start, world, launcher_cause)
+                observer.interruptions(root.read_json(job, INTERRUPTIONS_FILE))
         else:
             steady_samples += global_samples
         if beats:

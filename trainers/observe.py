@@ -36,16 +36,18 @@ def group_kinds(kinds: list[tuple[str, NodeKind]]) -> dict[NodeKind, int]:
 
 class Observer:
     def __init__(self, spec: JobSpec, root: StorageRoot, rank: int, device: torch.device, submitted_at: float,
-                 restored: dict | None, kinds: dict[NodeKind, int]):
+                 restored: dict | None, kinds: dict[NodeKind, int], job: str | None = None):
+        """``job``: the job's folder under ``root`` (its name unless checkpoint.path is absolute)."""
         self.spec, self.root, self.rank, self.device = spec, root, rank, device
+        self.job = job or spec.name
         self.submitted_at = submitted_at
         self.metrics = JobMetrics(spec.name, spec.labels.get("tenant", ""), rank)
         self.kinds = kinds
         restored = restored or {}
         self.productive_base_s = restored.get("productive_s", 0.0)
         self.node_hours: dict[NodeKind, float] = {NodeKind(*k): h for k, h in restored.get("node_hours", [])}
-        self.history = MetricsHistory(root, spec.name) if rank == 0 else None
-        self.tb = TensorBoard(root, spec) if rank == 0 else None
+        self.history = MetricsHistory(root, self.job) if rank == 0 else None
+        self.tb = TensorBoard(root, spec, self.job) if rank == 0 else None
         self.wait_s = 0.0
         self.window_steps = 0
         self.last_checkpoint: dict = {}
@@ -135,10 +137,10 @@ class Observer:
             local = os.path.join(tempfile.mkdtemp(prefix="etrain-prof-"), "trace.json")
             self.profiler.export_chrome_trace(local)
             with open(local, "rb") as f:
-                self.root.write_bytes(f.read(), self.spec.name, PROFILES_DIR, f"trace-steps-{start}-{stop}.json")
+                self.root.write_bytes(f.read(), self.job, PROFILES_DIR, f"trace-steps-{start}-{stop}.json")
             self.profiler, self.profile_range = None, None
             print(f"[etrain] profile of steps {start}-{stop}: "
-                  f"{self.root.uri_of(self.spec.name, PROFILES_DIR, f'trace-steps-{start}-{stop}.json')}", flush=True)
+                  f"{self.root.uri_of(self.job, PROFILES_DIR, f'trace-steps-{start}-{stop}.json')}", flush=True)
 
 
 def gpu_utilization() -> float | None:
@@ -152,10 +154,10 @@ class TensorBoard:
     """Event files written locally by rank 0 and copied whole to ``<job>/tensorboard/`` at each flush,
     so `tensorboard --logdir <root>/<job>/tensorboard` (or s3://...) shows the run as it goes."""
 
-    def __init__(self, root: StorageRoot, spec: JobSpec):
+    def __init__(self, root: StorageRoot, spec: JobSpec, job: str):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.root, self.job = root, spec.name
+        self.root, self.job = root, job
         self.local = tempfile.mkdtemp(prefix="etrain-tb-")
         self.writer = SummaryWriter(log_dir=self.local)
         t = spec.training

@@ -78,8 +78,9 @@ def interruption_record(last: Heartbeat, restored_step: int, world_size: int, no
 class Heartbeats:
     """Rank 0's heartbeat in Ray's GCS key-value store (it outlives the workers, not the cluster)."""
 
-    def __init__(self, job: str, run_id: str, interval_s: float = HEARTBEAT_INTERVAL_S):
-        self.key = f"etrain/{job}/heartbeat".encode()
+    def __init__(self, job_key: str, run_id: str, interval_s: float = HEARTBEAT_INTERVAL_S):
+        """``job_key``: the job's name in Ray's KV (trainers.home.JobHome.key), never its bare name."""
+        self.key = f"{job_key}/heartbeat".encode()
         self.run_id = run_id
         self.interval_s = interval_s
         self._last = 0.0
@@ -113,8 +114,10 @@ class StopFlag:
     so a resumed job runs on.
     """
 
-    def __init__(self, job: str):
-        self.key = f"etrain/{job}/stop".encode()
+    def __init__(self, job_key: str):
+        """``job_key``: the job's name in Ray's KV (trainers.home.JobHome.key): two jobs of one name
+        in two storage roots have two keys, so one's stop never stops or clears the other's."""
+        self.key = f"{job_key}/stop".encode()
 
     def request(self) -> None:
         from ray.experimental import internal_kv

@@ -44,24 +44,35 @@ def raylet_pids() -> set[int]:
 
 
 def test_guide_template_trains_from_the_command_line(tmp_path):
+    """The guide's template as is (only max_steps set): its checkpoints and summary land in the
+    absolute directory it names. /checkpoints is this test's own folder, bind-mounted there in
+    a private mount namespace, as a shared volume would be on a cluster."""
     before = raylet_pids()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    volume, root = tmp_path / "volume", tmp_path / "root"
+    volume.mkdir()
+    os.makedirs("/checkpoints", exist_ok=True)  # the mount point (the namespace's mount hides what is in it)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ETRAIN_STORAGE_ROOT": str(root)}
     proc = subprocess.run(
-        [sys.executable, "-m", "trainers.train", "configs/deployment-guide.json", "--set", "training.max_steps=6",
-         "--set", f"checkpoint.storage_root={tmp_path}"],
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount --bind "$0" /checkpoints && exec "$1" -m trainers.train configs/deployment-guide.json '
+         '--set training.max_steps=6', str(volume), sys.executable],
         capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "falling back to gloo" in out and "handled by Ray's rendezvous" in out
+    assert "storage /checkpoints, checkpoints /checkpoints," in out, "the first lines say where checkpoints go"
     assert "[etrain] step 6/6" in out
-    summary = json.loads((tmp_path / "deployment-guide" / "summary.json").read_text())
+    summary = json.loads((volume / "summary.json").read_text())
     for key in ("name", "final_step", "target_step", "global_batch_size", "world_size", "samples_per_s",
                 "final_loss", "checkpoint_uri", "interruptions"):
         assert key in summary
     assert summary["final_step"] == summary["target_step"] == 6
     assert summary["global_batch_size"] == 256 and summary["world_size"] == 2
     assert isinstance(summary["interruptions"], list)
-    assert Path(summary["checkpoint_uri"], "model_6.pt").exists()
+    assert summary["checkpoint_uri"] == "/checkpoints/checkpoint_000000006"
+    assert (volume / "checkpoint_000000006" / "model_6.pt").exists()
+    assert (volume / "checkpoint_000000006" / "manifest.json").exists()
+    assert not (root / "deployment-guide").exists(), "nothing of the job under the storage root"
     assert raylet_pids() <= before, "the command must stop the Ray it started"
 
 
@@ -233,6 +244,7 @@ def test_a_stop_request_ends_the_job_with_a_checkpoint_and_a_rerun_resumes(ray_l
     import threading
 
     from trainers.history import read_history
+    from trainers.home import job_home
     from trainers.recovery import StopFlag
     from waiting import wait_for
 
@@ -242,7 +254,7 @@ def test_a_stop_request_ends_the_job_with_a_checkpoint_and_a_rerun_resumes(ray_l
     runner.start()
     wait_for(lambda: list((tmp_path / "stop-me" / "checkpoints").glob("checkpoint_*/manifest.json")), 180,
              "a first checkpoint")
-    StopFlag("stop-me").request()
+    StopFlag(job_home(spec).key).request()
     runner.join(180)
     summary = result["summary"]
     assert result["code"] == EXIT_STOPPED and summary["status"] == "stopped", summary

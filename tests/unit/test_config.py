@@ -55,6 +55,7 @@ BAD_SPECS = [
     ({"distributed": {"master_port": 70000}}, "distributed.master_port", "less than or equal to 65535"),
     ({"checkpoint": {"path": "../../etc/model_{step}.pt"}}, "checkpoint.path", "escapes the job's folder"),
     ({"checkpoint": {"path": "s3://b/model.pt"}}, "checkpoint.path", "checkpoint.storage_root"),
+    ({"checkpoint": {"path": "/model_{step}.pt"}}, "checkpoint.path", "an absolute path names the job's folder"),
     ({"checkpoint": {"path": "model_{epoch}.pt"}}, "checkpoint.path", "only the {step} placeholder"),
     ({"checkpoint": {"storage_root": "ftp://host/x"}}, "checkpoint.storage_root", "scheme 'ftp'"),
     ({"checkpoint": {"storage_root": "s3://"}}, "checkpoint.storage_root", "needs a bucket"),
