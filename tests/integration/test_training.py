@@ -173,6 +173,7 @@ def flaky_spec(root, name, marker, max_failures, always=False):
         "name": name, "training": {"batch_size": 30, "learning_rate": 0.05, "max_steps": 20},
         "checkpoint": {"interval": 5, "storage_root": str(root)},
         "fault_tolerance": {"max_failures": max_failures},
+        "cost": {"prices_per_hour": {"local": {"on_demand": 3600.0}}},  # a dollar per node-second
         "model": {"factory": "userpkg:flaky_model", "options": {"marker": str(marker), "fail_at": 12, "always": always}},
         "data": {"factory": "userpkg:make_data"},
     })
@@ -187,6 +188,14 @@ def test_user_error_uses_the_budget_and_resumes_from_checkpoint(ray_local, tmp_p
     assert record["restored_step"] in (5, 10) and record["steps_lost"] <= 6, record
     stored = json.loads((tmp_path / "flaky" / "interruptions.json").read_text())
     assert stored[-1]["run_id"] == record["run_id"]
+    # Every paid second is billed: the attempts and the recovery between them, without a gap.
+    first, second = json.loads((tmp_path / "flaky" / "cost.json").read_text())
+    assert first["end"] >= record["interrupted_at"] == second["start"], (first, second, record)
+    assert summary["cost_usd"] >= record["recovery_s"], (summary["cost_usd"], record)
+    (tmp_path / "no-bug").touch()  # the same job whose bug never fires: an unbroken run of the same steps
+    code, unbroken = run_job(flaky_spec(tmp_path, "unbroken", tmp_path / "no-bug", max_failures=1))
+    assert code == EXIT_OK and unbroken["interruptions"] == [], unbroken
+    assert summary["cost_usd"] >= unbroken["cost_usd"], (summary["cost_usd"], unbroken["cost_usd"])
 
 
 def test_user_error_beyond_the_budget_fails_with_its_message(ray_local, tmp_path):
@@ -268,3 +277,55 @@ def test_a_stop_request_ends_the_job_with_a_checkpoint_and_a_rerun_resumes(ray_l
     code, summary = run_job(spec)  # the flag is cleared at start: the job runs on to its target
     assert code == EXIT_OK and summary["final_step"] == 3000
     assert [r["step"] for r in read_history(open_root(str(tmp_path)), "stop-me")][-1] == 3000
+
+
+def test_two_jobs_of_one_name_in_two_roots_stop_independently(ray_local, tmp_path):
+    import threading
+
+    from trainers.home import job_home
+    from trainers.recovery import StopFlag
+    from waiting import wait_for
+
+    specs = [digits_spec(tmp_path / root, "twin", max_steps=1_000_000) for root in ("a", "b")]
+    for spec in specs:
+        spec.distributed.num_workers = 1
+    results = [{}, {}]
+    runners = [threading.Thread(target=lambda s=s, r=r: r.update(zip(("code", "summary"), run_job(s))))
+               for s, r in zip(specs, results)]
+
+    def steps(root: str) -> list[int]:
+        return sorted(ckpt.step_of(p.parent.name) for p in (tmp_path / root / "twin" / "checkpoints").glob(
+            "checkpoint_*/manifest.json"))
+
+    try:
+        for runner, root in zip(runners, ("a", "b")):
+            runner.start()  # b starts (and clears its own stop key) while a runs
+            wait_for(lambda: steps(root), 180, f"a first checkpoint of twin in {root}")
+        StopFlag(job_home(specs[0]).key).request()
+        runners[0].join(180)
+        assert results[0]["code"] == EXIT_STOPPED, results[0]
+        at_a_stop = steps("b")[-1]
+        wait_for(lambda: steps("b")[-1] > at_a_stop, 60, "twin in b to train on after a's stop")
+        assert runners[1].is_alive(), results[1]
+    finally:
+        for spec in specs:
+            StopFlag(job_home(spec).key).request()
+        for runner in runners:
+            runner.join(180)
+    assert results[1]["code"] == EXIT_STOPPED and results[1]["summary"]["final_step"] > at_a_stop, results[1]
+
+
+def test_no_local_checkpoint_or_tensorboard_copies_are_left_behind(ray_local, tmp_path):
+    import uuid
+
+    from staging import leftover_staging
+
+    name = f"leak-{uuid.uuid4().hex[:8]}"  # TensorBoard's events hold the spec, and so this name
+    spec = digits_spec(tmp_path, name, max_steps=16)
+    spec.checkpoint.upload = "sync"
+    spec.checkpoint.min_interval_s = 0
+    spec.checkpoint.num_to_keep = None
+    code, summary = run_job(spec)
+    assert code == EXIT_OK, summary
+    assert len(list((tmp_path / name / "checkpoints").glob("checkpoint_0*"))) == 4
+    assert leftover_staging(name, tmp_path / name / "checkpoints") == []
