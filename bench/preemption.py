@@ -40,11 +40,11 @@ def main() -> None:
     from fake_imds import FakeIMDS
     from waiting import wait_for
     from ray.cluster_utils import Cluster
-    from ray.experimental import internal_kv
 
     from cluster.spot import IMDS, drain_node, watch
     from trainers.config import validate
     from trainers.home import job_home
+    from trainers.ray_adapter import kv_get
     from trainers.launch import run_job
 
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -71,14 +71,14 @@ def main() -> None:
         job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec, say=say))),
                                daemon=True)
         job.start()
-        first_step = json.loads(wait_for(lambda: internal_kv._internal_kv_get(key), 300, "the first step"))["time"]
+        first_step = json.loads(wait_for(lambda: kv_get(key), 300, "the first step"))["time"]
         cold_start_s = first_step - submitted
         time.sleep(3)
         when = (datetime.now(timezone.utc) + timedelta(seconds=6)).strftime("%Y-%m-%dT%H:%M:%SZ")
         imds.documents["/latest/meta-data/spot/instance-action"] = json.dumps({"action": "terminate", "time": when})
         watch(IMDS(imds.url), lambda n: drain_node(cluster.address, nodes[1].node_id, n).returncode == 0,
               interval_s=0.2, max_polls=20, say=lambda m: None)
-        wait_for(lambda: (json.loads(internal_kv._internal_kv_get(key) or b"{}").get("cause")), 60, "the JIT checkpoint")
+        wait_for(lambda: (json.loads(kv_get(key) or b"{}").get("cause")), 60, "the JIT checkpoint")
         removed_notice = time.time()
         cluster.remove_node(nodes[1], allow_graceful=False)
         notice = wait_for(lambda: records()[:1], 300, "recovery after the notice")[0]

@@ -79,10 +79,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _dashboard_url() -> str:
     """The Jobs API address of the Ray this process is connected to."""
-    from ray._private.worker import get_dashboard_url  # Ray has no public getter once connected
+    from trainers.ray_adapter import dashboard_url
 
-    url = get_dashboard_url()
-    return url if url.startswith("http") else f"http://{url}"
+    return dashboard_url()
 
 
 # ---------------------------------------------------------------- client

@@ -258,7 +258,28 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
             return {}, None, error
         say(f"[etrain] attempt failed: {kind.replace('_', ' ')} ({first_line}); "
             "retrying from the newest verified checkpoint")
+        if kind in ("node_lost", "preemption"):
+            settle_cluster_view(error, say)
         previous = kind
+
+
+def settle_cluster_view(error: BaseException, say, gone_timeout_s: float = 60.0) -> None:
+    """Before the next attempt is planned: wait (bounded) until preempted nodes have left Ray's
+    node list, then make Ray Train's planner read the list now. Otherwise the restart is planned
+    for the drained node and waits out fault_tolerance.worker_start_timeout_s (bench/preemption.py)."""
+    from ray.train.v2.api.exceptions import PreemptionError
+
+    from trainers import ray_adapter
+
+    leaving = set(error.preemption_info.preempted_node_ids) if isinstance(error, PreemptionError) else set()
+    deadline = time.monotonic() + gone_timeout_s
+    while leaving and time.monotonic() < deadline and any(n["Alive"] and n["NodeID"] in leaving for n in ray.nodes()):
+        time.sleep(0.2)
+    try:
+        ray_adapter.refresh_cluster_view()
+    except Exception as exc:  # boundary: a stale plan only costs time; say so and go on
+        say(f"[etrain] note: could not refresh Ray Train's view of the nodes ({type(exc).__name__}: {exc}); "
+            "the restart may wait out fault_tolerance.worker_start_timeout_s")
 
 
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"

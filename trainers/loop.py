@@ -233,7 +233,7 @@ def train_loop_per_worker(config: dict) -> None:
                 "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed,
                 "steady_samples_per_s": steady_samples / steady_s if steady_s > 0 and steady_samples else samples / elapsed,
                 "world_size": world, "global_batch_size": t.batch_size, "micro_batch_size": micro,
-                "grad_accum_steps": accum, "train_seconds": now - run_start,
+                "grad_accum_steps": len(shares),  # this step's micro-batches: by tokens, they vary "train_seconds": now - run_start,
             }
             window.zero_()
             window_start = now
