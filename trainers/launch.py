@@ -242,7 +242,9 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
         try:
             trainer = build_trainer(spec, home, runtime, data_uri, stop_at_step, run_id, previous, callbacks,
                                     submitted_at)
-            result = trainer.fit()
+            with NodeWatch(spec.distributed.resize_check_interval_s,
+                           enabled=spec.distributed.min_workers != spec.distributed.max_workers):
+                result = trainer.fit()
             if result.metrics:
                 return dict(result.metrics), result.checkpoint and result.checkpoint.path, None
             return latest_metrics(home)  # the job was already at its target: nothing ran
@@ -261,6 +263,46 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
         if kind in ("node_lost", "preemption"):
             settle_cluster_view(error, say)
         previous = kind
+
+
+class NodeWatch:
+    """While an elastic job runs: when Ray's set of live nodes changes, have Ray Train's planner
+    read it at once (trainers.ray_adapter), so a node that joins is used within
+    ``distributed.resize_check_interval_s`` plus start-up, not after the planner's own 20 s refresh.
+    """
+
+    def __init__(self, interval_s: float, enabled: bool = True):
+        self.interval_s, self.enabled = max(0.5, min(interval_s, 5.0)), enabled
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def live_nodes() -> frozenset[str]:
+        return frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"])
+
+    def _run(self) -> None:
+        from trainers import ray_adapter
+
+        seen = self.live_nodes()
+        while not self._stop.wait(self.interval_s):
+            try:
+                now = self.live_nodes()
+                if now != seen:
+                    ray_adapter.refresh_cluster_view()
+                    seen = now
+            except Exception as exc:  # boundary: a missed refresh only delays a resize; try again next tick
+                print(f"[etrain] note: node watch: {type(exc).__name__}: {exc}", flush=True)
+
+    def __enter__(self) -> "NodeWatch":
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name="etrain-node-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 1)
 
 
 def settle_cluster_view(error: BaseException, say, gone_timeout_s: float = 60.0) -> None:
