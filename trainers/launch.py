@@ -148,9 +148,9 @@ def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
         run_config=RunConfig(
             name=run_name, storage_path=storage_path, storage_filesystem=home.root.fs, callbacks=list(callbacks),
             # Every failure comes back to run_attempts, which knows a lost node from a user error
-            # (Ray would charge both to max_failures). Preemptions too: Ray's in-place restart
-            # plans the new group from a node list refreshed only every 20 s and waits for the
-            # drained node's ghost; a fresh controller sees the cluster as it is.
+            # (Ray would charge both to max_failures). Preemptions too: before the next attempt
+            # it waits for the drained node to leave and refreshes Ray Train's node list
+            # (settle_cluster_view), which Ray's in-place restart would read up to 20 s stale.
             failure_config=FailureConfig(max_failures=0, max_preemption_failures=0),
             # Retention is ours (newest N plus the best by a metric, never a partial one): Ray keeps all.
             checkpoint_config=CheckpointConfig(num_to_keep=None),
