@@ -226,3 +226,14 @@ def test_a_missing_latest_submission_is_not_resubmitted_while_an_earlier_one_run
 def test_reconcile_decision_with_live_submissions_and_overdue_stops(state, ray_status, others_alive, overdue,
                                                                      expected):
     assert reconcile_decision(state, ray_status, None, others_alive, overdue) == expected
+
+
+def test_an_absolute_checkpoint_path_over_http_stays_in_the_tenants_folder(tmp_path):
+    from trainers.config import validate
+    from trainers.home import job_home
+
+    mgr = manager(tmp_path, FakeClient())
+    _, run = mgr.check_spec("job", {"checkpoint": {"path": "/srv/service/model_{step}.pt"}}, "team-a", "j-1")
+    home = job_home(validate(run))
+    assert home.uri == mgr.tenant_root("team-a").uri_of("j-1")
+    assert home.run_path.startswith(mgr.tenant_root("team-a").path("j-1") + "/")
