@@ -272,7 +272,7 @@ def test_a_stop_request_ends_the_job_with_a_checkpoint_and_a_rerun_resumes(ray_l
     result = {}
     runner = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))))
     runner.start()
-    wait_for(lambda: list((tmp_path / "stop-me" / "checkpoints").glob("checkpoint_*/manifest.json")), 180,
+    wait_for(lambda: list((tmp_path / "stop-me" / "checkpoints").glob("checkpoint_*/manifest.json")), 300,
              "a first checkpoint")
     StopFlag(job_home(spec).key).request()
     runner.join(180)

@@ -115,7 +115,7 @@ def test_prune_keeps_newest_and_best(tmp_path):
     assert sorted(os.listdir(run)) == [ckpt.dir_name(s) for s in (20, 30, 40)]
 
 
-def test_a_throttled_manifest_read_during_prune_deletes_nothing(s3_server):
+def test_a_throttled_manifest_read_during_prune_deletes_nothing(s3_server, tmp_path):
     """S3 answers 503 SlowDown (past the client's retries) for the best checkpoint's manifest:
     that is not an incomplete checkpoint, so this round prunes nothing and says why."""
     import boto3
@@ -125,8 +125,8 @@ def test_a_throttled_manifest_read_during_prune_deletes_nothing(s3_server):
     direct = pafs.S3FileSystem(endpoint_override=s3_server.removeprefix("http://"), scheme="http")
     run = "prune-503/job/checkpoints"
     for step, loss in [(10, 0.1), (20, 0.3), (30, 0.4), (40, 0.5)]:
-        local = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"prune-503-{os.getpid()}-{step}")
-        os.makedirs(local, exist_ok=True)
+        local = str(tmp_path / str(step))
+        os.makedirs(local)
         ckpt.write_local(local, {"step": step}, f"model_{step}.pt", {"loss": loss})
         pafs.copy_files(local, f"{run}/{ckpt.dir_name(step)}", destination_filesystem=direct)
     best_manifest = f"/{run}/{ckpt.dir_name(10)}/{ckpt.MANIFEST}"
