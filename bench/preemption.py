@@ -31,6 +31,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "fixtures")]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40000, help="target steps of the job (long enough for both)")
@@ -49,6 +57,7 @@ def main() -> None:
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        "dashboard_port": free_port(),  # 8265 may be another Ray's
         "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                            "health_check_failure_threshold": 4}})
     nodes = [cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1") for _ in range(2)]
