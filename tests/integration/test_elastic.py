@@ -72,7 +72,9 @@ def test_shrinks_on_node_loss_and_grows_back(multi_node, tmp_path):
         shrunk = wait_for(lambda: [r for r in interruptions(tmp_path, "elastic") if r["world_size_after"] == 1],
                           300, "training to continue on 1 worker")[0]
         assert shrunk["cause"] == "node lost" and shrunk["world_size_before"] == 2
-        before = [s for s in checkpoints(tmp_path, "elastic") if s <= shrunk["step_reached"]]
+        run = tmp_path / "elastic" / "checkpoints"
+        before = [s for s in checkpoints(tmp_path, "elastic") if (m := run / ckpt.dir_name(s) / "manifest.json").exists()
+                  and json.loads(m.read_text())["created_at"] <= shrunk["interrupted_at"]]
         assert shrunk["restored_step"] in before[-2:], "from the newest checkpoint (or the one before: uploading)"
         cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1")
         grown = wait_for(lambda: [r for r in interruptions(tmp_path, "elastic") if r["world_size_after"] == 2],
