@@ -192,9 +192,7 @@ def retention_entry(fs: pafs.FileSystem, path: str, step: int, metric: str | Non
             manifest = json.loads(f.read())
         sizes = {posixpath.basename(i.path): i.size
                  for i in fs.get_file_info(pafs.FileSelector(path, recursive=False))}
-    except FileNotFoundError:
-        return Kept(step, None, False)
-    except ValueError:
+    except (FileNotFoundError, ValueError):  # never completed, or a garbled manifest
         return Kept(step, None, False)
     except OSError as exc:
         raise RetentionReadError(f"{path}: {exc}") from exc
