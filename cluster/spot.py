@@ -148,7 +148,7 @@ def find_own_node(address: str | None, timeout_s: float = 60.0, say=print) -> st
         except OwnNodeError:
             if time.monotonic() > deadline:
                 raise
-        except (ConnectionError, RuntimeError) as exc:  # Ray still starting, or a wrong address
+        except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:  # starting, wrong address or token
             if time.monotonic() > deadline:
                 raise OwnNodeError(f"cannot reach the Ray cluster at {address or 'auto'}: {exc}") from exc
             say(f"[spot-watch] Ray not reachable yet ({str(exc).splitlines()[0][:160]}); retrying")

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service import web
 from service.auth import Principal, TokenEntry, Tokens
-from service.jobs import Conflict, Forbidden, JobManager, QuotaExceeded, ServiceSettings
+from service.jobs import Conflict, Forbidden, JobManager, QuotaExceeded, RayUnavailable, ServiceSettings
 from service.schemas import CheckpointOut, Health, MetricsOut, Problem, RecordList, RecordOut
 from service.store import ID_PATTERN, Record
 from trainers.config import SpecError, parse_text
@@ -149,13 +149,17 @@ def add_routes(kind: str) -> None:
     def get_record(record_id: str = RecordId, who: Principal = Depends(principal)):
         return manager().public(visible(record_id, who, kind))
 
-    @app.get(base + "/{record_id}/logs", response_class=PlainTextResponse, responses=TEXT_ROUTE_ERRORS, tags=[plural],
+    @app.get(base + "/{record_id}/logs", response_class=PlainTextResponse, tags=[plural],
+             responses={**TEXT_ROUTE_ERRORS, 503: TEXT_ROUTE_ERRORS[404]},
              operation_id=f"logs_{kind}", summary="The latest attempt's log: the tail, or follow it live")
     async def logs(record_id: str = RecordId, tail: int = Query(200, ge=0, le=100000), follow: bool = False,
                    who: Principal = Depends(principal)):
         record = visible(record_id, who, kind)
         if not follow:
-            return PlainTextResponse(await run_in_threadpool(manager().logs, record, tail))
+            try:
+                return PlainTextResponse(await run_in_threadpool(manager().logs, record, tail))
+            except RayUnavailable as exc:
+                raise HTTPException(404 if exc.missing else 503, str(exc)) from None
 
         async def stream():
             if not record.submissions:
@@ -271,8 +275,12 @@ def ui_job(record_id: str, request: Request):
     record = mgr.visible(record_id, who.tenant, who.is_admin) if re.fullmatch(ID_PATTERN, record_id) else None
     if record is None:
         return page(web.not_found_page(f"no job {record_id!r}"), 404)
+    try:
+        logs = mgr.logs(record, 80)
+    except RayUnavailable as exc:
+        logs = f"[logs unavailable: {exc}]"
     return page(web.job_page(mgr.public(record), mgr.metrics(record), mgr.interruptions(record),
-                             mgr.checkpoints(record), mgr.logs(record, 80)))
+                             mgr.checkpoints(record), logs))
 
 
 def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threading.Event:
@@ -290,13 +298,9 @@ def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threadi
             counts[(r.kind, r.state)] += 1
         metrics.states(counts)
     mgr.on_reconciled = count
+    mgr.on_reconcile_error = metrics.reconcile_error
     stop = threading.Event()
-
-    def reconcile() -> None:
-        mgr.reconcile_all()
-        mgr.run_reconciler(stop)
-
-    threading.Thread(target=reconcile, name="etrain-reconciler", daemon=True).start()
+    threading.Thread(target=mgr.run_reconciler, args=(stop,), name="etrain-reconciler", daemon=True).start()
     return stop
 
 

@@ -110,10 +110,9 @@ def serve_settings(args: argparse.Namespace, storage_root: str):
 
 def _dashboard_url() -> str:
     """The Jobs API address of the Ray this process is connected to."""
-    from ray._private.worker import get_dashboard_url  # Ray has no public getter once connected
+    from cluster.ray_adapter import dashboard_url
 
-    url = get_dashboard_url()
-    return url if url.startswith("http") else f"http://{url}"
+    return dashboard_url()
 
 
 # ---------------------------------------------------------------- client

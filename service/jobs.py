@@ -10,6 +10,11 @@ record whose Ray job vanished is resubmitted, and it resumes from its newest che
 A job gets its tenant's prefix of the storage root and a scrubbed environment (the
 service's secrets and cloud keys blanked, the tenant's own variables added); the service's
 state (service.store) is in a folder no job is told of.
+
+Ray's Jobs API is an outside service that fails like one (5xx, timeouts, refused
+connections). Only Ray's own "no such job" (404) for the latest submission, with no other
+submission of the record alive, counts as "the job vanished"; any other error leaves the
+record as it is, says so on the record and in the log, and is retried with back-off.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -117,27 +122,67 @@ def sweep_trials(sweep) -> int:
     return sweep.samples * math.prod(lists)
 
 
+class RayUnavailable(Exception):
+    """Ray's Jobs API did not answer (or no longer has the submission); the message says which."""
+
+    def __init__(self, message: str, missing: bool = False):
+        super().__init__(message)
+        self.missing = missing
+
+
+# What the reconciler may learn of a submission besides Ray's own statuses.
+MISSING = "MISSING"  # Ray answered 404: it does not know the submission (its job table died with the head)
+UNREACHABLE = "UNREACHABLE"  # no answer we can act on: 5xx, timeout, refused connection
+Action = Literal["resubmit", "stop", "wait"] | None
+
+
+def ray_error_status(exc: BaseException) -> int | None:
+    """The HTTP status in an error from Ray's JobSubmissionClient, None when there was no answer.
+
+    The client raises RuntimeError("Request failed with status code 404: ...") for any
+    non-200 (dashboard_sdk._raise_error); tests/unit/test_reconcile.py checks that wording
+    against the real client, so a change in Ray fails there, not here in production.
+    """
+    match = re.search(r"status code (\d{3})", str(exc)) if isinstance(exc, RuntimeError) else None
+    return int(match.group(1)) if match else None
+
+
+def backoff_s(failures: int, base_s: float, cap_s: float = 60.0) -> float:
+    """How long to leave a record alone after ``failures`` failed passes in a row."""
+    return min(cap_s, base_s * 2 ** max(0, failures - 1)) if failures else 0.0
+
+
 class Conflict(Exception):
     pass
 
 
-def reconcile_decision(state: str, ray_status: str | None, outcome: str | None) -> tuple[str, bool]:
-    """(next state, resubmit?) from Ray's view of the latest attempt and the run's own summary.
+def reconcile_decision(state: str, ray_status: str | None, outcome: str | None, others_alive: bool = False,
+                       stop_overdue: bool = False) -> tuple[str, Action]:
+    """(next state, action) from Ray's view of the latest attempt and the run's own summary.
 
-    ``ray_status`` None means Ray does not know the submission (the head restarted, or it was
-    never sent); ``outcome`` is the status in the run's summary (succeeded/stopped/failed).
+    ``ray_status`` is Ray's status, MISSING (Ray answered 404), UNREACHABLE (no usable
+    answer), or None (never submitted); ``outcome`` is the status in the run's summary
+    (succeeded/stopped/failed); ``others_alive``: another submission of the record still runs
+    in Ray; ``stop_overdue``: a graceful stop's grace period is over and Ray still runs it.
+    Actions: resubmit (the job is known gone), stop (ask Ray again), wait (back off, retry).
     """
     if state in TERMINAL:
-        return state, False
-    if ray_status is None:
-        return ("STOPPED", False) if state == "STOPPING" else ("RUNNING", True)
+        return state, None
+    if ray_status == UNREACHABLE:
+        return state, "wait"
+    if ray_status in (None, MISSING):
+        if state == "STOPPING":
+            return "STOPPED", None
+        return "RUNNING", (None if others_alive else "resubmit")
     if ray_status in ("PENDING", "RUNNING"):
-        return ("STOPPING" if state == "STOPPING" else "RUNNING"), False
+        if state == "STOPPING":
+            return "STOPPING", ("stop" if stop_overdue else None)
+        return "RUNNING", None
     if ray_status == "STOPPED" or outcome == "stopped":
-        return "STOPPED", False
+        return "STOPPED", None
     if ray_status == "SUCCEEDED":
-        return "SUCCEEDED", False
-    return "FAILED", False
+        return "SUCCEEDED", None
+    return "FAILED", None
 
 
 class JobManager:
@@ -150,6 +195,9 @@ class JobManager:
         self.client = client or JobSubmissionClient(settings.ray_dashboard_url)
         self._lock = threading.RLock()
         self.on_reconciled = None  # called with every record after each pass (the service's gauges)
+        self.on_reconcile_error = None  # called with the kind of each failed step (the service's counter)
+        self._failures: dict[str, tuple[int, float]] = {}  # record id -> (failed passes in a row, retry at)
+        self._last_ray_error = ""
 
     # ------------------------------------------------------------ where things live
 
@@ -176,6 +224,8 @@ class JobManager:
         name = str(data.get("name") or kind)
         run = dict(copy.deepcopy(data), name=record_id)
         run["checkpoint"] = dict(run.get("checkpoint") or {}, storage_root=troot.uri)
+        if isinstance(run["checkpoint"].get("path"), str):  # an absolute path stays in the tenant's job folder
+            run["checkpoint"]["path"] = run["checkpoint"]["path"].lstrip("/")
         run["labels"] = {**(run.get("labels") if isinstance(run.get("labels"), dict) else {}), "tenant": tenant}
         slots = 1
         with refs_not_imported():
@@ -312,12 +362,19 @@ class JobManager:
                 and (state is None or r.state == state)]
 
     def logs(self, record: Record, tail_lines: int | None) -> str:
+        """The latest attempt's log; RayUnavailable when Ray cannot give it (never a silent blank)."""
         if not record.submissions:
             return ""
+        sid = record.submissions[-1]
         try:
-            text = self.client.get_job_logs(record.submissions[-1])
-        except RuntimeError:
-            return ""
+            text = self.client.get_job_logs(sid)
+        except Exception as exc:  # boundary: Ray's HTTP API; the caller shows the reason
+            if ray_error_status(exc) == 404:
+                raise RayUnavailable(f"Ray no longer has the logs of submission {sid} (its job table was lost "
+                                     "with the head node); the run's summary and metrics are in storage",
+                                     missing=True) from None
+            raise RayUnavailable(f"Ray's Jobs API did not return the logs of {sid}: {type(exc).__name__}: "
+                                 f"{str(exc)[:300]}: try again shortly") from None
         text = self.relative(record.tenant, text)
         if tail_lines is None:
             return text
@@ -332,6 +389,14 @@ class JobManager:
                     for c in ckpt.list_checkpoints(jobs.fs, jobs.path(trial, self._ckpt_folder(record)))]
         run_path = troot.path(record.id, self._ckpt_folder(record))
         return [dict(c, uri=c["path"][len(troot.base) + 1:]) for c in ckpt.list_checkpoints(troot.fs, run_path)]
+
+    @staticmethod
+    def job_key(record: Record) -> str:
+        """The job's name in Ray's KV, as its driver derives it (trainers.home): folder, not bare name."""
+        from trainers.config import JobSpec
+        from trainers.home import job_home
+
+        return job_home(JobSpec.model_validate(record.spec)).key
 
     @staticmethod
     def _ckpt_folder(record: Record) -> str:
@@ -383,7 +448,7 @@ class JobManager:
             if record.state == "STOPPING":
                 return record
             if record.kind == "job":
-                StopFlag(record.id).request()
+                StopFlag(self.job_key(record)).request()
             record.move("STOPPING", "stop requested")
             self.store.save(record)
         sid = record.submissions[-1] if record.submissions else None
@@ -399,11 +464,21 @@ class JobManager:
                 break
             time.sleep(0.5)
         else:
-            try:
-                self.client.stop_job(sid)  # SIGTERM, which our driver also turns into a checkpointed stop
-            except RuntimeError:
-                pass
+            self._ray_stop(record_id, sid)
         self.reconcile_one(record_id)
+
+    def _ray_stop(self, record_id: str, sid: str) -> bool:
+        """Ask Ray to stop a submission (SIGTERM, which our driver turns into a checkpointed stop).
+
+        A failure is said on the record and in the log; the reconciler asks again each pass.
+        """
+        try:
+            self.client.stop_job(sid)
+            return True
+        except Exception as exc:  # boundary: Ray's HTTP API; the next reconcile pass retries
+            self._failed(record_id, "stop", f"Ray did not stop {sid} ({type(exc).__name__}: {str(exc)[:200]}); "
+                                    "asking again at the next reconcile pass")
+            return False
 
     def resume(self, record: Record) -> Record:
         with self._lock:
@@ -415,42 +490,115 @@ class JobManager:
 
     # ------------------------------------------------------------ reconcile
 
-    def _ray_status(self, sid: str) -> str | None:
+    def _ray_status(self, sid: str) -> str:
+        """Ray's status of a submission, MISSING (404) or UNREACHABLE (any other failure)."""
         try:
             return str(self.client.get_job_status(sid).value)
-        except RuntimeError:  # Ray has no such submission (its job table died with the head)
+        except Exception as exc:  # boundary: Ray's HTTP API; only a 404 means "no such submission"
+            if ray_error_status(exc) == 404:
+                return MISSING
+            self._last_ray_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            return UNREACHABLE
+
+    def _others_alive(self, record: Record) -> bool | None:
+        """Whether Ray still runs an earlier submission of the record; None when Ray did not say."""
+        try:
+            jobs = self.client.list_jobs()
+        except Exception as exc:  # boundary: Ray's HTTP API; the caller backs off
+            self._last_ray_error = f"{type(exc).__name__}: {str(exc)[:300]}"
             return None
+        return any(j.submission_id in record.submissions and str(j.status.value) in ("PENDING", "RUNNING")
+                   for j in jobs)
+
+    def _failed(self, record_id: str, kind: str, reason: str) -> None:
+        """One failed step for a record: on the record (error), in the log, on the counter; back off."""
+        failures = self._failures.get(record_id, (0, 0.0))[0] + 1
+        wait_s = backoff_s(failures, self.settings.reconcile_interval_s)
+        self._failures[record_id] = (failures, time.monotonic() + wait_s)
+        message = f"{reason} (failure {failures} in a row; next try in {wait_s:.0f}s)"
+        print(f"[etrain-service] {record_id}: {message}", file=sys.stderr, flush=True)
+        if self.on_reconcile_error:
+            self.on_reconcile_error(kind)
+        with self._lock:
+            record = self.store.get(record_id)
+            if record is not None and record.error != message:
+                record.error = message
+                self.store.save(record)
+
+    def _recovered(self, record: Record) -> None:
+        if self._failures.pop(record.id, None) and record.error:
+            record.error = None
+            self.store.save(record)
+
+    def stop_overdue(self, record: Record, now: float) -> bool:
+        """Whether a graceful stop's grace period is over (from the record's STOPPING transition)."""
+        since = next((t.at for t in reversed(record.history) if t.state == "STOPPING"), record.updated_at)
+        grace = self.settings.stop_wait_s if record.kind == "job" else 0.0
+        return now - since > grace
 
     def reconcile_one(self, record_id: str) -> Record | None:
         with self._lock:
             record = self.store.get(record_id)
             if record is None or record.state in TERMINAL:
                 return record
-            ray_status = self._ray_status(record.submissions[-1]) if record.submissions else None
-            summary = self.summary_of(record) if ray_status not in ("PENDING", "RUNNING") else None
+            sid = record.submissions[-1] if record.submissions else None
+            ray_status = self._ray_status(sid) if sid else None
+            others_alive = False
+            if ray_status == MISSING and len(record.submissions) > 1:
+                alive = self._others_alive(record)
+                ray_status, others_alive = (UNREACHABLE, False) if alive is None else (ray_status, alive)
+            summary = self.summary_of(record) if ray_status not in ("PENDING", "RUNNING", UNREACHABLE) else None
             outcome = (summary or {}).get("status") if record.kind == "job" else None
-            state, resubmit = reconcile_decision(record.state, ray_status, outcome)
+            state, action = reconcile_decision(record.state, ray_status, outcome, others_alive,
+                                               self.stop_overdue(record, time.time()))
+            if action == "wait":
+                self._failed(record_id, "status", f"Ray's Jobs API did not answer for {sid} ({self._last_ray_error}); "
+                                        "the record is kept as it is")
+                return self.store.get(record_id)
             if summary is not None:
                 record.summary = summary
-            if resubmit:
+            if action == "resubmit":
+                self._failures.pop(record_id, None)
                 return self.submit(record, reason="Ray lost the job (head restarted?): resubmitted from its checkpoint")
+            if action == "stop" and not self._ray_stop(record_id, sid):
+                return self.store.get(record_id)
+            self._recovered(record)
             if record.move(state, f"Ray says {ray_status}") or summary is not None:
                 self.store.save(record)
             return record
 
-    def reconcile_all(self) -> None:
-        for record in self.store.all():
-            if record.state not in TERMINAL:
-                self.reconcile_one(record.id)
-        if self.on_reconciled:
-            self.on_reconciled(self.store.all())
+    def reconcile_all(self) -> bool:
+        """One pass over the unfinished records; False when it failed (said in the log, retried next pass).
+
+        Each record is guarded on its own, so one that fails never starves the others, and the
+        whole pass is guarded, so the reconciler thread outlives anything a pass meets.
+        """
+        ok = True
+        try:
+            now = time.monotonic()
+            for record in self.store.all():
+                if record.state in TERMINAL or self._failures.get(record.id, (0, 0.0))[1] > now:
+                    continue
+                try:
+                    self.reconcile_one(record.id)
+                except Exception as exc:  # boundary: one record's failure is retried, the rest go on
+                    ok = False
+                    self._failed(record.id, "reconcile", f"reconcile failed: {type(exc).__name__}: {str(exc)[:300]}")
+            if self.on_reconciled:
+                self.on_reconciled(self.store.all())
+        except Exception as exc:  # boundary: the store itself failed; the next pass retries
+            print(f"[etrain-service] reconcile pass failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            if self.on_reconcile_error:
+                self.on_reconcile_error("pass")
+            return False
+        return ok
 
     def run_reconciler(self, stop: threading.Event) -> None:
-        while not stop.wait(self.settings.reconcile_interval_s):
-            try:
-                self.reconcile_all()
-            except Exception as exc:  # boundary: the timer must outlive one bad poll; the next one retries
-                print(f"[etrain-service] reconcile failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        """Reconcile at once, then every interval, until ``stop``; no error ends the loop."""
+        while True:
+            self.reconcile_all()
+            if stop.wait(self.settings.reconcile_interval_s):
+                return
 
 
     # ------------------------------------------------------------ what a tenant is shown

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sys
@@ -94,17 +95,29 @@ def cmd_spot_watch(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(message, flush=True)
 
+    # One watcher per node: the worker start commands run again on every `ray up`.
+    lock = open(os.path.join(tempfile.gettempdir(), "etrain-spot-watch.lock"), "w")
     try:
-        node_id = args.node_id or find_own_node(args.address, say=say)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print("[spot-watch] another spot-watch runs on this node; leaving it be", file=sys.stderr)
+        return 0
+    try:
+        node = [args.node_id or find_own_node(args.address, say=say)]
     except OwnNodeError as exc:
         print(f"[spot-watch] error: {exc}", file=sys.stderr)
         return 2
-    say(f"[spot-watch] this node is {node_id}")
+    say(f"[spot-watch] this node is {node[0]}")
 
     def drain(notice) -> bool:
-        proc = drain_node(args.address, node_id, notice)
+        proc = drain_node(args.address, node[0], notice)
         if proc.returncode != 0:
             print(f"[spot-watch] ray drain-node failed: {proc.stderr.strip()[-500:]}", file=sys.stderr)
+            if not args.node_id:  # Ray restarted on this node since: its id is new
+                try:
+                    node[0] = find_own_node(args.address, timeout_s=10, say=say)
+                except OwnNodeError as exc:
+                    print(f"[spot-watch] {exc}", file=sys.stderr)
         return proc.returncode == 0
 
     print(f"[spot-watch] watching {args.imds_url} every {args.interval_s}s", flush=True)

@@ -184,7 +184,8 @@ class CheckpointConfig(Strict):
     interval: int = Field(1000, gt=0, description="steps between checkpoints; one is always taken at the end")
     path: str = Field(
         "checkpoints/model_{step}.pt",
-        description="checkpoint file inside the job's folder under the storage root; a leading / means the job folder",
+        description="checkpoint file: relative, inside the job's folder under the storage root; absolute "
+                    "(/checkpoints/model_{step}.pt), that directory on every node (a shared volume) is the job's folder",
     )
     storage_root: str = Field(default_factory=default_root, description="local directory or s3://bucket/prefix")
     num_to_keep: int | None = Field(3, gt=0, description="newest complete checkpoints kept (null: all)")
@@ -205,7 +206,9 @@ class CheckpointConfig(Strict):
         if "://" in v:
             raise ValueError("is a URI: put the bucket or directory in checkpoint.storage_root; path is a file name")
         rel = posixpath.normpath(v.lstrip("/"))
-        if rel.startswith("..") or rel in (".", ""):
+        if v.startswith("/") and posixpath.dirname(posixpath.normpath(v)) == "/":
+            raise ValueError("an absolute path names the job's folder: give one, e.g. '/checkpoints/model_{step}.pt'")
+        if not v.startswith("/") and (rel.startswith("..") or rel in (".", "")):
             raise ValueError("escapes the job's folder: use a path like 'checkpoints/model_{step}.pt' without '..'")
         if not rel.endswith(".pt"):
             raise ValueError("must name a .pt file, e.g. 'checkpoints/model_{step}.pt'")
@@ -226,7 +229,7 @@ class CheckpointConfig(Strict):
 
     @property
     def run_folder(self) -> str:
-        """The folder (relative to the job folder) where Ray Train keeps the checkpoints."""
+        """The folder (relative to the job folder) where Ray Train keeps the checkpoints of a relative path."""
         return posixpath.dirname(posixpath.normpath(self.path.lstrip("/"))) or "checkpoints"
 
     def file_name(self, step: int) -> str:

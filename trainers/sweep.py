@@ -99,10 +99,16 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
 
 
 def trial_spec_data(base: dict, values: dict[str, Any]) -> dict:
-    """The base spec with one trial's values set (the base is not changed)."""
+    """The base spec with one trial's values set (the base is not changed).
+
+    An absolute checkpoint.path would put every trial in one folder: a trial's stay in its own.
+    """
     data = copy.deepcopy(base)
     for key, value in values.items():
         set_dotted(data, key, value)
+    checkpoint = data.get("checkpoint")
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("path"), str):
+        checkpoint["path"] = checkpoint["path"].lstrip("/")
     return data
 
 
@@ -297,7 +303,7 @@ def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from cluster.storage import open_root
+    from trainers.home import job_home
     from trainers.launch import latest_metrics, run_job
 
     # Ray Train's controller takes one report per poll (2 s by default) and report() waits for it;
@@ -308,7 +314,7 @@ def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
     data["name"] = trial_job_name(ray.tune.get_context().get_trial_id())
     data.setdefault("checkpoint", {})["storage_root"] = jobs_uri
     spec = validate(data)
-    done, _, _ = latest_metrics(spec, open_root(jobs_uri))
+    done, _, _ = latest_metrics(job_home(spec))
     if done and done.get("step") == done.get("target_step"):
         ray.tune.report(done)  # finished before the sweep's driver died: report, do not train again
         return
@@ -323,6 +329,7 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
     Tune stops a trial by tearing its training down, often before the trial's own summary is
     written (or after it recorded the teardown as a failure). Its checkpoints say where it got.
     """
+    from trainers.home import job_home
     from trainers.launch import latest_metrics, make_summary
 
     for row in rows:
@@ -335,8 +342,8 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
         data["name"] = name
         data.setdefault("checkpoint", {})["storage_root"] = jobs.uri
         spec = validate(data)
-        metrics, path, _ = latest_metrics(spec, jobs)
-        summary = make_summary(spec, jobs, metrics, path, None, row["time_s"])
+        metrics, path, _ = latest_metrics(job_home(spec))
+        summary = make_summary(spec, job_home(spec), metrics, path, None, row["time_s"])
         summary["stopped_by"] = "sweep scheduler"
         jobs.write_json(summary, name, "summary.json")
 

@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--workers", type=int, default=2)
     up.add_argument("--base", default="/var/tmp/etrain-rehearsal", help="where the nodes' disks live")
     up.add_argument("--prefix", default="etr", help="names of namespaces and links")
+    up.add_argument("--subnet", default="10.77.0", help="the nodes' /24 (host side .1, nodes from .11)")
+    up.add_argument("--first-uid", type=int, default=27100, help="uid of the head's user; workers follow")
     dn = sub.add_parser("down", help="stop and remove a cloud left behind")
     dn.add_argument("--prefix", default="etr")
     args = parser.parse_args(argv)
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "down":
             print("\n".join(down(args.prefix)) or "nothing to remove")
             return 0
-        with Cloud(Path(args.base), workers=args.workers, prefix=args.prefix) as cloud:
+        with Cloud(Path(args.base), workers=args.workers, prefix=args.prefix, subnet=args.subnet,
+                   first_uid=args.first_uid) as cloud:
             aws = yaml.safe_load((REPO / "ray_cluster.yaml").read_text())
             config = cloud.base / "cluster.yaml"
             config.write_text(yaml.safe_dump(rehearsal_config(

@@ -167,6 +167,10 @@ class Cloud:
         if run(["ip", "link", "show", self.bridge], check=False).returncode == 0:
             raise RehearsalError(f"{self.bridge} exists already: another rehearsal runs here, or one was not "
                                  f"stopped (python -m cluster.rehearsal down --prefix {self.prefix})")
+        taken = _uids_in_use(set(range(self.first_uid, self.first_uid + self.workers + 1)))
+        if taken:
+            raise RehearsalError(f"uids {sorted(taken)} already run processes (another rehearsal?): "
+                                 "give this one another first_uid")
         self.image = self.image or build_image(say=say)
         self.base.mkdir(parents=True, exist_ok=True)
         self.base.chmod(0o755)
@@ -301,13 +305,21 @@ class Cloud:
         run(["ip", "netns", "exec", node.netns, "ip", "link", "set", f"{self.prefix}n-{node.name}", "down"])
 
     def kill(self, node: Node) -> None:
-        """Everything on the node dies at once: its PID namespace's first process is killed."""
+        """Everything on the node dies at once: its PID namespace's first process is killed
+        (the kernel then kills the rest of the namespace), and the launcher of that namespace."""
+        if node.launcher is None:
+            return
+        if node.init_pid is None:  # start() failed before this node answered on ssh
+            node.init_pid = _namespace_init(node.launcher.pid)
         if node.init_pid:
             try:
                 os.kill(node.init_pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if node.launcher:
+        try:  # the launcher (unshare) reaps the namespace's init, then exits
+            node.launcher.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            node.launcher.kill()
             node.launcher.wait(timeout=30)
 
     def pids(self) -> list[int]:
@@ -329,12 +341,14 @@ class Cloud:
 
     # -- stop --------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop what was started, by pid and by namespace, and remove what was made."""
+        """Stop what was started, by pid and by namespace, and remove what was made. Each step
+        runs even when one before it failed (a half-started cloud is cleaned up too)."""
         for node in self.nodes:
-            self.kill(node)
-            if node.imds and node.imds.poll() is None:
-                node.imds.terminate()
-                node.imds.wait(timeout=10)
+            for step in (lambda: self.kill(node), lambda: _stop_process(node.imds)):
+                try:
+                    step()
+                except (OSError, subprocess.SubprocessError) as exc:
+                    print(f"[rehearsal] stopping {node.name}: {exc}; going on", file=sys.stderr)
         for pid in self.pids():  # anything that left its PID namespace's tree (none expected)
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -346,6 +360,25 @@ class Cloud:
             shutil.rmtree(Path("/etc/netns") / node.netns, ignore_errors=True)
         run(["ip", "link", "del", self.bridge], check=False)
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _stop_process(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _uids_in_use(uids: set[int]) -> set[int]:
+    """Which of ``uids`` some process runs as (a node user of another rehearsal)."""
+    found = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            line = next(x for x in status.read_text().splitlines() if x.startswith("Uid:"))
+        except (OSError, StopIteration):
+            continue
+        if int(line.split()[1]) in uids:
+            found.add(int(line.split()[1]))
+    return found
 
 
 def _namespace_init(pid: int) -> int | None:

@@ -103,6 +103,12 @@ def test_ray_up_then_job_submit_then_ray_down(sshd, tmp_path):
         node_python = node_dir / ".node-venv" / "bin" / "python"
         assert node_python.exists()
         job_env = {**env, "RAY_AUTH_MODE": "token"}
+        for _ in range(60):  # the head's dashboard answers a little after `ray up` returns
+            listed = subprocess.run([ray, "job", "list", "--address", "http://127.0.0.1:8265"], capture_output=True,
+                                    text=True, env=job_env, timeout=60)
+            if listed.returncode == 0:
+                break
+            time.sleep(2)
         submit = subprocess.run(
             [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--no-wait", "--submission-id", "quickstart-e2e",
              "--", str(node_python), "-m", "trainers.train", str(node_dir / "configs" / "quickstart.yaml"),

@@ -29,7 +29,7 @@ import yaml
 
 from waiting import wait_for
 
-from cluster.rehearsal.cloud import Cloud
+from cluster.rehearsal.cloud import Cloud, RehearsalError
 from cluster.rehearsal.render import rehearsal_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -155,11 +155,13 @@ def test_ray_up_brings_up_head_and_workers_with_one_token(rehearsal):
         copy = node.home / ".ray" / "auth_token"
         assert copy.read_text().strip() == token, node.name
         assert copy.stat().st_mode & 0o077 == 0 and copy.stat().st_uid == node.uid, "only the node's user reads it"
-    # Token auth is on: a client without the token is refused.
-    no_token = {**launcher.env, "HOME": str(cloud.base)}
-    probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", launcher.dashboard], capture_output=True,
-                           text=True, env=no_token, timeout=60)
-    assert probe.returncode != 0, probe.stdout
+    # Token auth is on at the head: the Jobs API refuses no token and a wrong one, takes ours.
+    import requests
+
+    jobs = f"{launcher.dashboard}/api/jobs/"
+    assert requests.get(jobs, timeout=30).status_code == 401
+    assert requests.get(jobs, headers={"Authorization": "Bearer not-the-token"}, timeout=30).status_code in (401, 403)
+    assert requests.get(jobs, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
 
 
 def s3_fs(s3: dict):
@@ -240,19 +242,58 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
     assert summary["world_size"] == 1
 
 
+def _started(pid: int) -> str | None:
+    """A process's start time (a pid may be reused by a new process), or None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return None
+
+
 def test_nothing_is_left_running_after_the_cloud_stops():
     """A small cloud of its own: after stop, no namespace, node user process, sshd or bridge remains."""
     cloud = Cloud(Path(f"/var/tmp/etrain-rehearsal-stop-{os.getpid()}"), workers=1, prefix="etz", subnet="10.77.1",
                   first_uid=27200)
     with cloud:
         cloud.ssh(cloud.nodes[1], "nohup sleep 600 > /dev/null 2>&1 &")
-        running = cloud.pids()
+        running = {pid: _started(pid) for pid in cloud.pids()}
         assert len(running) >= 3, "each node's sshd and the worker's sleep are seen"
     assert cloud.pids() == []
-    for pid in running:
-        assert not Path(f"/proc/{pid}").exists(), pid
+    for pid, started in running.items():
+        assert _started(pid) != started, f"process {pid} still runs"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n.netns in listed for n in cloud.nodes)
     assert subprocess.run(["ip", "link", "show", "etz-br0"], capture_output=True).returncode != 0
     assert not any(Path("/etc/netns", n.netns).exists() for n in cloud.nodes)
     assert not cloud.base.exists()
+
+
+def test_a_cloud_that_fails_half_way_is_cleaned_up():
+    """The second worker cannot be made: what the first node and the head started is still stopped."""
+
+    class Failing(Cloud):
+        def _make_node(self, node):
+            if node.name == "w2":
+                raise RuntimeError("no capacity")
+            super()._make_node(node)
+
+    cloud = Failing(Path(f"/var/tmp/etrain-rehearsal-fail-{os.getpid()}"), workers=2, prefix="ety", subnet="10.77.2",
+                    first_uid=27300)
+    with pytest.raises(RuntimeError, match="no capacity"):
+        cloud.__enter__()
+    started = [n for n in cloud.nodes if n.launcher]
+    assert len(started) == 2 and all(n.launcher.poll() is not None for n in started)
+    assert cloud.pids() == []
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "ety-" not in listed and not cloud.base.exists()
+
+
+def test_two_clouds_cannot_share_node_users():
+    with Cloud(Path(f"/var/tmp/etrain-rehearsal-a-{os.getpid()}"), workers=1, prefix="eta", subnet="10.77.3",
+               first_uid=27400) as first:
+        first.ssh(first.nodes[1], "nohup sleep 600 > /dev/null 2>&1 &")
+        second = Cloud(Path(f"/var/tmp/etrain-rehearsal-b-{os.getpid()}"), workers=1, prefix="etb",
+                       subnet="10.77.4", first_uid=27400)
+        with pytest.raises(RehearsalError, match="another rehearsal"):
+            second.start()
+        assert first.pids(), "the first cloud's processes are untouched"

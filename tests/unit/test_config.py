@@ -59,6 +59,7 @@ BAD_SPECS = [
     ({"checkpoint": {"path": "m_{step:>2000000000}.pt"}}, "checkpoint.path", "written exactly so (no format spec)"),
     ({"checkpoint": {"path": "m_{step!r}.pt"}}, "checkpoint.path", "only the placeholder '{step}'"),
     ({"checkpoint": {"path": "m_{{step}}.pt"}}, "checkpoint.path", "only the placeholder '{step}'"),
+    ({"checkpoint": {"path": "/model_{step}.pt"}}, "checkpoint.path", "an absolute path names the job's folder"),
     ({"checkpoint": {"storage_root": "ftp://host/x"}}, "checkpoint.storage_root", "scheme 'ftp'"),
     ({"checkpoint": {"storage_root": "s3://"}}, "checkpoint.storage_root", "needs a bucket"),
     ({"checkpoint": {"interval": 0}}, "checkpoint.interval", "greater than 0"),

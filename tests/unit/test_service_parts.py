@@ -14,27 +14,30 @@ from service.store import Record, Store
 from trainers.config import SpecError
 
 DECISIONS = [
-    # state, Ray's status of the latest attempt, the run's own summary status -> next state, resubmit
-    ("RUNNING", "RUNNING", None, "RUNNING", False),
-    ("PENDING", "PENDING", None, "RUNNING", False),
-    ("STOPPING", "RUNNING", None, "STOPPING", False),
-    ("RUNNING", "SUCCEEDED", "succeeded", "SUCCEEDED", False),
-    ("RUNNING", "FAILED", "stopped", "STOPPED", False),  # exit 3: stopped with a checkpoint
-    ("STOPPING", "FAILED", "stopped", "STOPPED", False),
-    ("RUNNING", "FAILED", "failed", "FAILED", False),
-    ("RUNNING", "FAILED", None, "FAILED", False),
-    ("STOPPING", "STOPPED", None, "STOPPED", False),  # Ray's stop after the grace period
-    ("RUNNING", None, None, "RUNNING", True),  # Ray lost it (head restarted): resubmit, it resumes
-    ("PENDING", None, None, "RUNNING", True),  # stored but never sent (the replica died in between)
-    ("STOPPING", None, None, "STOPPED", False),
-    ("SUCCEEDED", None, None, "SUCCEEDED", False),  # finished records are never touched
-    ("FAILED", "RUNNING", None, "FAILED", False),
+    # state, Ray's status of the latest attempt, the run's own summary status -> next state, action
+    ("RUNNING", "RUNNING", None, "RUNNING", None),
+    ("PENDING", "PENDING", None, "RUNNING", None),
+    ("STOPPING", "RUNNING", None, "STOPPING", None),
+    ("RUNNING", "SUCCEEDED", "succeeded", "SUCCEEDED", None),
+    ("RUNNING", "FAILED", "stopped", "STOPPED", None),  # exit 3: stopped with a checkpoint
+    ("STOPPING", "FAILED", "stopped", "STOPPED", None),
+    ("RUNNING", "FAILED", "failed", "FAILED", None),
+    ("RUNNING", "FAILED", None, "FAILED", None),
+    ("STOPPING", "STOPPED", None, "STOPPED", None),  # Ray's stop after the grace period
+    ("RUNNING", "MISSING", None, "RUNNING", "resubmit"),  # Ray lost it (head restarted): resubmit, it resumes
+    ("PENDING", None, None, "RUNNING", "resubmit"),  # stored but never sent (the replica died in between)
+    ("STOPPING", "MISSING", None, "STOPPED", None),
+    ("SUCCEEDED", "MISSING", None, "SUCCEEDED", None),  # finished records are never touched
+    ("FAILED", "RUNNING", None, "FAILED", None),
+    ("RUNNING", "UNREACHABLE", None, "RUNNING", "wait"),  # a 5xx or a timeout is no news: back off
+    ("STOPPING", "UNREACHABLE", None, "STOPPING", "wait"),
+    ("PENDING", "UNREACHABLE", None, "PENDING", "wait"),
 ]
 
 
-@pytest.mark.parametrize("state,ray_status,outcome,expected,resubmit", DECISIONS)
-def test_reconcile_decision(state, ray_status, outcome, expected, resubmit):
-    assert reconcile_decision(state, ray_status, outcome) == (expected, resubmit)
+@pytest.mark.parametrize("state,ray_status,outcome,expected,action", DECISIONS)
+def test_reconcile_decision(state, ray_status, outcome, expected, action):
+    assert reconcile_decision(state, ray_status, outcome) == (expected, action)
 
 
 def test_tokens_are_kept_hashed_and_checked():

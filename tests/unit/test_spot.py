@@ -116,3 +116,15 @@ def test_own_node_errors_say_what_to_do(nodes, ip, attached, message):
     with pytest.raises(OwnNodeError) as info:
         pick_own_node(nodes, ip, attached)
     assert message in str(info.value)
+
+
+def test_a_second_spot_watch_on_a_node_leaves_the_first_be(tmp_path):
+    import fcntl
+    import subprocess
+    import sys
+
+    lock = open(tmp_path / "etrain-spot-watch.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a first watcher holds the node
+    proc = subprocess.run([sys.executable, "-m", "trainers.cli", "spot-watch", "--node-id", "ab" * 28],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0 and "another spot-watch runs on this node" in proc.stderr
