@@ -58,6 +58,8 @@ def sshd(tmp_path):
         pytest.fail("openssh-server and rsync are needed: .ci/run installs them (apt-get install openssh-server rsync)")
     if port_open(22):
         pytest.fail("something already listens on 127.0.0.1:22; this test runs its own sshd there")
+    if port_open(8265):  # the twin's head binds its dashboard there, with no retries
+        pytest.fail("another Ray's dashboard holds 127.0.0.1:8265; the twin's head needs it: run this test alone")
     d = tmp_path / "ssh"
     d.mkdir()
     for name in ("host_key", "user_key"):
