@@ -145,7 +145,7 @@ def submit_quickstart(client, storage: Path, workers: int) -> str:
     import requests
 
     job = f"quickstart-{workers}"
-    for attempt in range(3):
+    for attempt in range(30):
         try:
             return client.submit_job(
                 submission_id=job,
@@ -154,10 +154,12 @@ def submit_quickstart(client, storage: Path, workers: int) -> str:
                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
         except requests.ConnectionError:  # the head's dashboard dropped the connection (busy machine)
             time.sleep(2)
-        except RuntimeError as exc:  # a retry after the first try got through
-            if "already exists" in str(exc):
+        except RuntimeError as exc:
+            if "already exists" in str(exc):  # a retry after the first try got through
                 return job
-            raise
+            if "try again later" not in str(exc):  # e.g. "No available agent": the head's agent is starting
+                raise
+            time.sleep(2)
     pytest.fail("the fake head's Jobs API dropped every submission")
 
 
