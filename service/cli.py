@@ -32,16 +32,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.storage import default_root, open_root
+    from cluster.storage import default_root
     from service.app import JobService
     from service.auth import TokenConfigError, bootstrap_admin, load_tokens
-    from service.jobs import ServiceSettings
+    from service.store import Store
     from trainers.launch import ensure_ray
 
     storage_root = args.storage_root or default_root()
     try:
         entries = load_tokens(args.tokens)
-    except TokenConfigError as exc:
+        settings = serve_settings(args, storage_root)
+    except (TokenConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     started_ray = ensure_ray(args.cpus)
@@ -52,15 +53,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     printed = None
     if not entries:
-        entries, printed = bootstrap_admin(open_root(storage_root).sub("service"))
-    dashboard = args.dashboard_url or _dashboard_url()
-    settings = ServiceSettings(storage_root=storage_root, ray_dashboard_url=dashboard,
-                               max_active_per_tenant=args.quota, stop_wait_s=args.stop_wait_s)
+        state = Store(settings.state_dir)
+        entries, printed = bootstrap_admin(state)
+        state.close()
+    settings.ray_dashboard_url = settings.ray_dashboard_url or _dashboard_url()
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(JobService.bind(settings.model_dump(), [e.model_dump(exclude={"token"}) for e in entries]),
               name="etrain", route_prefix="/", blocking=False)
     url = f"http://{args.host}:{args.port}"
-    print(f"[etrain] service at {url} (API under /v1, docs at {url}/docs); storage {storage_root}")
+    print(f"[etrain] service at {url} (API under /v1, docs at {url}/docs); storage {storage_root}, "
+          f"state {settings.state_dir}")
     if printed:
         print(f"[etrain] admin token (shown once; only its hash is kept): {printed}")
         print(f"[etrain]   export ETRAIN_SERVER={url} ETRAIN_TOKEN={printed}")
@@ -77,12 +79,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_settings(args: argparse.Namespace, storage_root: str):
+    """The service's settings: the --config file (YAML or JSON), then the flags given over it."""
+    import yaml
+    from pydantic import ValidationError
+
+    from service.jobs import ServiceSettings
+
+    data: dict = {}
+    if args.config:
+        try:
+            with open(args.config) as f:
+                data = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"--config {args.config}: cannot read: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {args.config}: expected a mapping of settings (see `etrain serve --help`)")
+    data["storage_root"] = storage_root
+    data.setdefault("ray_dashboard_url", args.dashboard_url or "")
+    for flag, key in (("quota", "max_active_per_tenant"), ("stop_wait_s", "stop_wait_s"), ("state_dir", "state_dir")):
+        if getattr(args, flag) is not None:
+            data[key] = getattr(args, flag)
+    try:
+        return ServiceSettings.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "settings"
+        raise ValueError(f"--config {args.config or '(flags)'}: {where}: {first['msg']}") from None
+
+
 def _dashboard_url() -> str:
     """The Jobs API address of the Ray this process is connected to."""
-    from ray._private.worker import get_dashboard_url  # Ray has no public getter once connected
+    from cluster.ray_adapter import dashboard_url
 
-    url = get_dashboard_url()
-    return url if url.startswith("http") else f"http://{url}"
+    return dashboard_url()
 
 
 # ---------------------------------------------------------------- client
@@ -221,16 +251,25 @@ def main(argv: list[str] | None = None) -> int:
     serve_p = sub.add_parser(
         "serve", help="run the job service (Ray Serve + FastAPI) on the current Ray cluster",
         description="Deploys the HTTP service. Tokens: --tokens FILE or $ETRAIN_TOKENS, a JSON/YAML list of "
-                    "{tenant, role: admin|user, sha256: <hex of the token>}; with none, an admin token is made "
-                    "and printed once.", epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                    "{tenant, role: admin|user|code, sha256: <hex of the token>}; with none, an admin token is "
+                    "made and printed once. Roles: admin (everything, every tenant), code (its own code: "
+                    "train_loop, any factory; trusted within the cluster), user (built-in workloads, factories "
+                    "from --config's factory_modules, data under its own storage prefix or tenant_data_uris). "
+                    "--config FILE sets the rest (YAML): factory_modules, tenant_data_uris, tenant_env, "
+                    "tenant_quotas, max_sweep_trials, entrypoint_resources, max_body_bytes.", epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve_p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve_p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve_p.add_argument("--storage-root", help="where records, specs and jobs live (default: $ETRAIN_STORAGE_ROOT "
                                                 "or ~/etrain-storage)")
     serve_p.add_argument("--tokens", help="token file (see above)")
-    serve_p.add_argument("--quota", type=int, default=4, help="unfinished jobs and sweeps per tenant (default 4)")
-    serve_p.add_argument("--stop-wait-s", type=float, default=120.0,
-                         help="graceful stop: seconds to wait for the final checkpoint before Ray's stop")
+    serve_p.add_argument("--config", help="settings file, YAML (see above)")
+    serve_p.add_argument("--state-dir", help="the service's own state (records, keys, token hashes): a local folder "
+                                             "outside the storage root (default: $ETRAIN_STATE_DIR or "
+                                             "~/.etrain/service)")
+    serve_p.add_argument("--quota", type=int, help="quota slots per tenant: a job takes 1, a sweep its "
+                                                   "max_concurrent_trials (default 4)")
+    serve_p.add_argument("--stop-wait-s", type=float,
+                         help="graceful stop: seconds to wait for the final checkpoint before Ray's stop (default 120)")
     serve_p.add_argument("--dashboard-url", help="Ray Jobs API URL (default: the connected cluster's dashboard)")
     serve_p.add_argument("--cpus", type=int, default=4, help="logical CPUs of a local Ray this starts (default 4)")
     serve_p.add_argument("--detach", action="store_true", help="deploy and exit (needs a running cluster)")

@@ -10,7 +10,7 @@ import pytest
 
 from cluster.dashboards import build_dashboards, panel_queries, push, write_provisioning
 from cluster.metrics import NodeKind, cost_usd, goodput, node_kind, scrape_config
-from service.web import job_page, jobs_page, svg_chart
+from service.web import job_page, jobs_page
 from trainers.observe import group_kinds
 
 PRICES = {"g5.2xlarge": {"on_demand": 1.2, "spot": 0.5}}
@@ -134,14 +134,13 @@ def test_file_provisioning(tmp_path):
 
 
 def test_charts_mark_interruptions_and_say_when_empty():
-    svg = svg_chart("loss-chart", "loss", [(0, 2.0), (10, 1.0), (20, 0.5)], marks=[12.0])
-    assert "<polyline class='line'" in svg and svg.count("class='interruption'") == 1
-    assert "no data yet" in svg_chart("x", "loss", [])
     rows = [{"time": 100.0 + i, "step": 10 * i, "loss": 1 / (i + 1), "samples_per_s": 50.0, "world_size": 2,
              "goodput": 0.9, "cost_usd": 0.01} for i in range(5)]
     page = job_page({"id": "j-1", "name": "n<script>", "state": "RUNNING"}, rows,
                     [{"cause": "node lost", "interrupted_at": 102.5, "steps_lost": 3, "recovery_s": 9.0}],
                     [{"step": 40, "complete": True, "size_bytes": 10, "uri": "/x"}], "line <1>\n")
     assert "n&lt;script&gt;" in page and "<script>" not in page  # names and logs are escaped
-    assert page.count("class='interruption'") == 2 and "goodput 90%" in page and "line &lt;1&gt;" in page
+    assert page.count('<polyline class="line"') == 2 and page.count('class="interruption"') == 2
+    assert "goodput 90%" in page and "line &lt;1&gt;" in page
+    assert "no data yet" in job_page({"id": "j-1", "name": "n", "state": "PENDING"}, [], [], [], "")
     assert "No jobs yet" in jobs_page("t", [])

@@ -1,0 +1,242 @@
+"""The reconciler under Ray's Jobs API faults: 5xx, 404, refused connections, a stop that fails.
+
+One test runs Ray's real JobSubmissionClient against a tiny HTTP server that answers like a
+dashboard under trouble, so the meaning of its errors is checked against the client itself;
+the others use a fake client at the edge to drive the decisions.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from service.jobs import MISSING, UNREACHABLE, JobManager, RayUnavailable, ServiceSettings, reconcile_decision
+from service.store import Record
+
+
+class FakeDashboard:
+    """Answers /api/version; /api/jobs/<id> with ``status_code``; records every POST."""
+
+    def __init__(self):
+        self.status_code, self.posts = 503, []
+        dash = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code: int, body: object) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/api/version":
+                    return self._send(200, {"version": "4", "ray_version": "2.60.0", "ray_commit": "x"})
+                if self.path.rstrip("/") == "/api/jobs":
+                    return self._send(200, [])
+                self._send(dash.status_code, {"error": "SlowDown" if dash.status_code == 503 else "no such job"})
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                dash.posts.append(json.loads(self.rfile.read(length) or b"{}"))
+                self._send(200, {"job_id": "raysubmit", "submission_id": dash.posts[-1].get("submission_id")})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def manager(tmp_path, client, **settings) -> JobManager:
+    return JobManager(ServiceSettings(storage_root=str(tmp_path), ray_dashboard_url="http://127.0.0.1:1",
+                                      **{"reconcile_interval_s": 0.05, **settings}), client)
+
+
+def running_record(mgr: JobManager, state: str = "RUNNING") -> Record:
+    now = time.time()
+    record = Record(id="j-abc", kind="job", tenant="a", name="n", spec={"name": "j-abc"}, spec_uri="/x/spec.json",
+                    storage="/x", created_at=now, updated_at=now, submissions=["etrain-j-abc-0"])
+    record.move(state, "test")
+    mgr.store.save(record)
+    return record
+
+
+def test_a_503_from_the_jobs_api_never_resubmits_and_a_404_does(tmp_path, monkeypatch):
+    from ray.job_submission import JobSubmissionClient
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    dash = FakeDashboard()
+    try:
+        mgr = manager(tmp_path, JobSubmissionClient(dash.url))
+        running_record(mgr)
+        for _ in range(3):
+            mgr.reconcile_one("j-abc")
+        record = mgr.store.get("j-abc")
+        assert dash.posts == [], "a 503 is no news about the job: a second driver must not start"
+        assert record.state == "RUNNING" and record.submissions == ["etrain-j-abc-0"]
+        assert "did not answer" in record.error and "503" in record.error
+        dash.status_code = 404  # now Ray really does not know the submission (its head restarted)
+        record = mgr.reconcile_one("j-abc")
+        assert [p["submission_id"] for p in dash.posts] == ["etrain-j-abc-1"]
+        assert record.state == "RUNNING" and record.error is None
+    finally:
+        dash.close()
+
+
+class FakeClient:
+    """Ray's JobSubmissionClient at the edge: statuses by submission, errors queued per method."""
+
+    def __init__(self, status: str = "RUNNING"):
+        from ray.job_submission import JobStatus
+
+        self.JobStatus = JobStatus
+        self.status = {"etrain-j-abc-0": status}
+        self.errors: dict[str, list[BaseException]] = {}
+        self.calls: list[str] = []
+        self.alive: list[str] = []
+
+    def _maybe_fail(self, method: str) -> None:
+        self.calls.append(method)
+        if self.errors.get(method):
+            raise self.errors[method].pop(0)
+
+    def get_job_status(self, sid):
+        self._maybe_fail("get_job_status")
+        if sid not in self.status:
+            raise RuntimeError(f"Request failed with status code 404: Job {sid} does not exist.")
+        return self.JobStatus(self.status[sid])
+
+    def stop_job(self, sid):
+        self._maybe_fail("stop_job")
+        self.status[sid] = "STOPPED"
+        return True
+
+    def submit_job(self, **kwargs):
+        self._maybe_fail("submit_job")
+        self.status[kwargs["submission_id"]] = "RUNNING"
+        return kwargs["submission_id"]
+
+    def list_jobs(self):
+        from types import SimpleNamespace
+
+        self._maybe_fail("list_jobs")
+        return [SimpleNamespace(submission_id=s, status=self.JobStatus("RUNNING")) for s in self.alive]
+
+    def get_job_logs(self, sid):
+        self._maybe_fail("get_job_logs")
+        return "line\n"
+
+
+def test_a_reconciler_that_meets_a_connection_error_at_start_keeps_running(tmp_path):
+    from service import app
+    from service.auth import Tokens
+
+    client = FakeClient()
+    client.errors["get_job_status"] = [ConnectionError("Failed to connect to Ray at address: http://127.0.0.1:8265.")]
+    settings = ServiceSettings(storage_root=str(tmp_path), ray_dashboard_url="http://127.0.0.1:1",
+                               reconcile_interval_s=0.05)
+    running_record(JobManager(settings, client))
+    stop = app.configure(settings, Tokens([]), client=client)
+    try:
+        deadline = time.time() + 30
+        while client.calls.count("get_job_status") < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        assert client.calls.count("get_job_status") >= 3, "the reconciler thread died at its first error"
+        assert app.manager().store.get("j-abc").state == "RUNNING"
+    finally:
+        stop.set()
+
+
+def test_a_failed_ray_stop_is_retried_until_the_record_leaves_stopping(tmp_path, monkeypatch):
+    monkeypatch.setattr("trainers.recovery.StopFlag.request", lambda self: None)  # Ray's KV: not here
+    client = FakeClient()
+    client.errors["stop_job"] = [RuntimeError("Request failed with status code 503: busy."),
+                                 ConnectionError("refused")]
+    mgr = manager(tmp_path, client, stop_wait_s=0.01)
+    record = running_record(mgr)
+    mgr.stop(record)
+    deadline = time.time() + 30
+    while mgr.store.get("j-abc").state == "STOPPING" and time.time() < deadline:
+        mgr.reconcile_all()
+        time.sleep(0.05)
+    record = mgr.store.get("j-abc")
+    assert client.calls.count("stop_job") == 3
+    assert record.state == "STOPPED", record.history
+
+
+def test_an_error_while_stopping_is_on_the_record_and_backs_off(tmp_path):
+    client = FakeClient()
+    client.errors["stop_job"] = [RuntimeError("Request failed with status code 503: busy.")] * 3
+    mgr = manager(tmp_path, client, stop_wait_s=0.01, reconcile_interval_s=30)
+    record = running_record(mgr, "STOPPING")
+    time.sleep(0.05)  # past the grace period
+    record = mgr.reconcile_one(record.id)
+    assert record.state == "STOPPING" and "Ray did not stop etrain-j-abc-0" in record.error
+    assert "next try in 30s" in record.error
+    mgr.reconcile_all()  # inside the back-off: Ray is left alone
+    assert client.calls.count("stop_job") == 1
+
+
+def test_logs_say_why_they_are_missing(tmp_path):
+    client = FakeClient()
+    mgr = manager(tmp_path, client)
+    record = running_record(mgr)
+    assert mgr.logs(record, 10) == "line\n"
+    client.errors["get_job_logs"] = [RuntimeError("Request failed with status code 500: boom.")]
+    with pytest.raises(RayUnavailable, match="did not return the logs of etrain-j-abc-0") as info:
+        mgr.logs(record, 10)
+    assert not info.value.missing
+    client.errors["get_job_logs"] = [RuntimeError("Request failed with status code 404: Job x does not exist.")]
+    with pytest.raises(RayUnavailable, match="no longer has the logs") as info:
+        mgr.logs(record, 10)
+    assert info.value.missing
+
+
+def test_a_missing_latest_submission_is_not_resubmitted_while_an_earlier_one_runs(tmp_path):
+    client = FakeClient()
+    mgr = manager(tmp_path, client)
+    record = running_record(mgr)
+    record.submissions.append("etrain-j-abc-1")  # saved, then the replica died before Ray heard of it
+    mgr.store.save(record)
+    client.alive = ["etrain-j-abc-0"]
+    assert mgr.reconcile_one(record.id).submissions == ["etrain-j-abc-0", "etrain-j-abc-1"]
+    assert "submit_job" not in client.calls
+    client.alive = []
+    assert mgr.reconcile_one(record.id).submissions[-1] == "etrain-j-abc-2"
+
+
+@pytest.mark.parametrize("state,ray_status,others_alive,overdue,expected", [
+    ("RUNNING", MISSING, True, False, ("RUNNING", None)),
+    ("RUNNING", MISSING, False, False, ("RUNNING", "resubmit")),
+    ("STOPPING", "RUNNING", False, True, ("STOPPING", "stop")),
+    ("STOPPING", "RUNNING", False, False, ("STOPPING", None)),
+    ("STOPPING", UNREACHABLE, False, True, ("STOPPING", "wait")),
+])
+def test_reconcile_decision_with_live_submissions_and_overdue_stops(state, ray_status, others_alive, overdue,
+                                                                     expected):
+    assert reconcile_decision(state, ray_status, None, others_alive, overdue) == expected
+
+
+def test_an_absolute_checkpoint_path_over_http_stays_in_the_tenants_folder(tmp_path):
+    from trainers.config import validate
+    from trainers.home import job_home
+
+    mgr = manager(tmp_path, FakeClient())
+    from service.auth import Principal
+
+    _, run, _ = mgr.check_spec("job", {"checkpoint": {"path": "/srv/service/model_{step}.pt"}},
+                               Principal("team-a", "user"), "j-1")
+    home = job_home(validate(run))
+    assert home.uri == mgr.tenant_root("team-a").uri_of("j-1")
+    assert home.run_path.startswith(mgr.tenant_root("team-a").path("j-1") + "/")
