@@ -32,6 +32,7 @@ from ray.train import Checkpoint, CheckpointUploadMode
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, batching_summary
+from trainers.console import progress_line
 from trainers.data import BatchPlan, PlanSampler, StepMicroBatches, make_loader
 from cluster.metrics import node_kind
 from trainers.observe import Observer, group_kinds
@@ -227,10 +228,8 @@ def train_loop_per_worker(config: dict) -> None:
         observer.log_step(metrics, elapsed)
         if rank == 0:
             eta = (target - done) / max(1e-9, (done - start) / (now - run_start))
-            print(f"[etrain] step {done}/{target} ({100 * done / target:.0f}%) loss {metrics['loss']:.4f} "
-                  f"lr {metrics['learning_rate']:.2e} {metrics['samples_per_s']:.0f} samples/s"
-                  + (f" {metrics['tokens_per_s']:.0f} tokens/s" if tokens else "")
-                  + f" eta {_hms(eta)}", flush=True)
+            print(progress_line(done, target, metrics["loss"], metrics["learning_rate"], metrics["samples_per_s"],
+                                metrics["tokens_per_s"], eta), flush=True)
         if not is_ckpt:
             continue
         in_sync = params_in_sync(model, world)
@@ -346,8 +345,3 @@ def _to_device(batch, device: torch.device):
     if isinstance(batch, dict):
         return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
     return batch
-
-
-def _hms(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
