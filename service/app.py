@@ -255,7 +255,7 @@ def ui_rows(who: Principal) -> list[dict]:
 
 def progress(record: Record) -> dict:
     """Where a record stands now (its latest metrics row), not only where its last run ended."""
-    return web.progress_of(record.model_dump(mode="json"), manager().metrics(record))
+    return web.progress_of(record.model_dump(mode="json"), manager().metrics(record), manager().interruptions(record))
 
 
 UI_STATE = Query(None, pattern="^(PENDING|RUNNING|STOPPING|STOPPED|SUCCEEDED|FAILED)$")

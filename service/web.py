@@ -117,10 +117,12 @@ def valid_rows(rows: Sequence[Any]) -> list[dict]:
             and number(r.get("step")) is not None]
 
 
-def eta_s(rows: Sequence[dict], target: Any, window: int = 10) -> float | None:
-    """Seconds to ``target`` at the pace of the latest rows (after the last restart only: a
-    step done again after an interruption is newer than the steps after it)."""
-    rows, target = valid_rows(rows), number(target)
+def eta_s(rows: Sequence[dict], target: Any, since_step: Any = None, window: int = 10) -> float | None:
+    """Seconds to ``target`` at the pace of the latest rows after ``since_step`` (where the last
+    restart resumed: the time before it is no pace of training). A row older than the one after
+    it (the steps were done again later) also ends the window."""
+    rows, target, since = valid_rows(rows), number(target), number(since_step)
+    rows = [r for r in rows if since is None or r["step"] > since]
     if not rows or target is None:
         return None
     tail = [rows[-1]]
@@ -136,9 +138,11 @@ def eta_s(rows: Sequence[dict], target: Any, window: int = 10) -> float | None:
     return (target - last["step"]) * (last["time"] - first["time"]) / (last["step"] - first["step"])
 
 
-def progress_of(record: dict, rows: Sequence[Any]) -> dict:
+def progress_of(record: dict, rows: Sequence[Any], interruptions: Sequence[Any] = ()) -> dict:
     """Where a job stands: the latest history row, else the run's summary, else the spec's target."""
     rows = valid_rows(rows)
+    restored = [number(i.get("restored_step")) for i in interruptions if isinstance(i, dict)]
+    since = max((r for r in restored if r is not None), default=None)
     last = rows[-1] if rows else {}
     summary = record.get("summary") if isinstance(record.get("summary"), dict) else {}
     training = (record.get("spec") or {}).get("training") or {}
@@ -148,7 +152,7 @@ def progress_of(record: dict, rows: Sequence[Any]) -> dict:
     running = record.get("state") in ("RUNNING", "STOPPING")
     return {"step": step, "target_step": target,
             "fraction": min(1.0, step / target) if step is not None and target else None,
-            "eta_s": eta_s(rows, target) if running else None, "loss": number(last.get("loss")),
+            "eta_s": eta_s(rows, target, since) if running else None, "loss": number(last.get("loss")),
             "samples_per_s": number(last.get("samples_per_s")), "world_size": number(last.get("world_size")),
             "goodput": number(last.get("goodput", summary.get("goodput"))),
             "cost_usd": number(last.get("cost_usd", summary.get("cost_usd"))),
@@ -247,7 +251,7 @@ def job_view(record: dict, rows: Sequence[Any], interruptions: Sequence[Any], ch
              log_text: str) -> dict:
     """What the page shows, once, for both the page and its data endpoint."""
     interruptions = [i for i in interruptions if isinstance(i, dict)]
-    p = progress_of(record, rows)
+    p = progress_of(record, rows, interruptions)
     step, target = p["step"], p["target_step"]
     summary = {"state": record["state"], "step": "-" if step is None else f"{step:.0f}",
                "target": "-" if not target else f"{target:.0f}", "value": step if step is not None and target else None,
