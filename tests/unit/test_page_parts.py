@@ -153,3 +153,36 @@ def test_live_console_turns_progress_lines_into_one_bar():
     assert "[etrain] job 'j': storage /r/j" in text
     assert "step 20/40" in text and "loss 1.5000  48 samples/s  eta 0:00:01" in text
     assert "[etrain] step 10/40" not in text  # consumed by the bar, not printed as a line
+
+
+# ---------------------------------------------------------------- `etrain jobs list / get`
+
+
+def record(i: int, **extra) -> dict:
+    return {"id": f"j-{i:012x}", "name": "a-rather-long-job-name-that-would-not-fit-in-the-table", "tenant": "team-a",
+            "state": "RUNNING", "created_at": 1000.0, "updated_at": 1100.0, "storage": f"j-{i:012x}",
+            "submissions": ["s0", "s1"], "error": None, "history": [{"state": "RUNNING", "at": 1000.0, "reason": "x"}],
+            "progress": {"step": 12000, "target_step": 20000, "goodput": 0.873, "cost_usd": 123.456, "eta_s": 4000,
+                         "loss": 0.25}, **extra}
+
+
+def test_jobs_list_fits_80_columns_and_cuts_only_the_name():
+    from service.cli import table
+
+    text = table([record(1), record(2, tenant="team-b", state="SUCCEEDED", progress={})], now=1000.0 + 3 * 86400 + 7200)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, text
+    assert lines[0].split() == ["ID", "NAME", "TENANT", "STATE", "PROGRESS", "GOODPUT", "COST", "AGE"]
+    assert "j-000000000001" in lines[1] and "a-rath\u2026" in lines[1]
+    assert "12k/20k 60%" in lines[1] and "87%" in lines[1] and "$123.46" in lines[1] and "3d02h" in lines[1]
+    assert lines[2].split()[-4:] == ["-", "-", "-", "3d02h"]
+    assert "TENANT" not in table([record(1)], now=1000.0)  # one tenant: no column for it
+
+
+def test_jobs_get_is_a_field_a_line_within_80_columns():
+    from service.cli import details
+
+    text = details(record(1, error="boom"), now=1060.0)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "progress:   12k/20k 60%" in text and "eta:        1h06m" in text and "goodput:    87%" in text
+    assert "(1m00s ago)" in text and "attempts:   2" in text and "error:      boom" in text
