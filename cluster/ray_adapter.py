@@ -60,29 +60,15 @@ def reported_max_resources() -> dict[str, float] | None:
 WORKER_LOG_HANDLER = "ray_print_logs"
 
 
-def route_worker_logs(handler: Callable[[dict], None]) -> Callable[[], None]:
+def route_worker_logs(handler: Callable[[dict], None]) -> None:
     """Send the log lines Ray forwards from workers to the driver to ``handler`` instead of Ray's
-    printer; returns the undo. ``handler`` gets Ray's batch: ``{"lines", "is_err", "pid",
-    "actor_name", "task_name", ...}``. Ray prints through ``ray._private.worker.print_to_stdstream``,
-    registered as ``ray_print_logs`` on ``ray._private.ray_logging.global_worker_stdstream_dispatcher``
-    when ``ray.init(log_to_driver=True)`` connects (and removed by name at ``ray.shutdown()``);
-    there is no public hook for it.
+    printer, for as long as this process stays connected. ``handler`` gets Ray's batch:
+    ``{"lines", "is_err", "pid", "actor_name", "task_name", ...}``. Ray prints through
+    ``ray._private.worker.print_to_stdstream``, registered as ``ray_print_logs`` on
+    ``ray._private.ray_logging.global_worker_stdstream_dispatcher`` when ``ray.init(log_to_driver=True)``
+    connects and removed by that name at ``ray.shutdown()``; there is no public hook for it.
     """
-    import functools
-
-    from ray._private import worker
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-    had_printer = any(name == WORKER_LOG_HANDLER for name, _ in dispatcher.handlers)
     dispatcher.remove_handler(WORKER_LOG_HANDLER)
     dispatcher.add_handler(WORKER_LOG_HANDLER, handler)
-
-    def undo() -> None:
-        if not any(h is handler for _, h in dispatcher.handlers):
-            return  # ray.shutdown() removed it already: a later ray.init adds Ray's printer itself
-        dispatcher.remove_handler(WORKER_LOG_HANDLER)
-        if had_printer:
-            ignore_prefix = worker._should_ignore_worker_log_prefix(worker.global_worker)
-            dispatcher.add_handler(WORKER_LOG_HANDLER,
-                                   functools.partial(worker.print_to_stdstream, ignore_prefix=ignore_prefix))
-    return undo

@@ -77,7 +77,7 @@ class Console:
         self.live = self.out.isatty() if live is None else live
         self.verbose = verbose
         self._lock = threading.Lock()
-        self._undo_routing = None
+        self._routed = False
         self._hinted = False
         self._bar = self._task = None
 
@@ -95,9 +95,8 @@ class Console:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._undo_routing is not None:
-            self._undo_routing()
-            self._undo_routing = None
+        """Stop the live line. Ray's lines stay routed here: it forwards a run's last ones (the
+        controller's teardown) after the run returns, and they are still chatter."""
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
@@ -117,10 +116,11 @@ class Console:
     def _route_worker_lines(self) -> None:
         import ray
 
-        if self._undo_routing is None and ray.is_initialized():
+        if not self._routed and ray.is_initialized():
             from cluster.ray_adapter import route_worker_logs
 
-            self._undo_routing = route_worker_logs(self.worker_lines)
+            route_worker_logs(self.worker_lines)
+            self._routed = True
 
     # ------------------------------------------------------------ what Ray forwards
 
