@@ -37,7 +37,7 @@ STATIC = {"etrain.css": "text/css", "etrain.js": "text/javascript",
           "vendor/uplot/LICENSE": "text/plain"}
 # What each chart plots against the step: (history key, legend label).
 CHART_SERIES = ("loss", "learning_rate", "samples_per_s", "tokens_per_s", "data_wait_fraction", "world_size")
-RAY_PREFIX = re.compile(r"^\((?P<who>[\w.:-]+(?: [\w.:-]+)*? pid=[\w]+(?:, ip=[\d.:a-f]+)?)\) ?")
+RAY_PREFIX = re.compile(r"^\((?:[\w.:-]+ )*pid=\w+(?:, ip=[\d.:a-f]+)?\) ?")
 RAY_DRIVER_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 GLOG = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[DIWEF]) \d+ \d+\]")
 GLOG_LEVELS = {"D": "debug", "I": "info", "W": "warning", "E": "error", "F": "error"}
@@ -85,7 +85,9 @@ def percent(v: Any) -> str:
 
 
 def usd(v: Any) -> str:
-    return "-" if number(v) is None else f"${v:.4f}" if v < 1 else f"${v:,.2f}"
+    if number(v) is None:
+        return "-"
+    return "$0" if v == 0 else f"${v:.4f}" if v < 0.01 else f"${v:,.2f}"
 
 
 def duration(seconds: Any) -> str:

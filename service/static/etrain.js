@@ -32,7 +32,7 @@
                                       {key: "tokens_per_s", label: "tokens/s", color: "#b54708", optional: true}]},
     {id: "wait-chart", series: [{key: "data_wait_fraction", label: "data-wait fraction", color: "#b54708",
                                  percent: true}]},
-    {id: "world-chart", series: [{key: "world_size", label: "world size", color: "#1b1f24", stepped: true}]}
+    {id: "world-chart", height: 120, series: [{key: "world_size", label: "world size", color: "#1b1f24", stepped: true}]}
   ];
   var charts = {};
   var marks = [];
@@ -76,7 +76,7 @@
       return splits.map(function (v) { return spec.series[0].percent ? Math.round(v * 100) + "%" : fmt(v); });
     };
     var opts = {
-      width: width, height: 190, cursor: {sync: {key: "etrain"}, drag: {x: true, y: false}},
+      width: width, height: spec.height || 190, cursor: {sync: {key: "etrain"}, drag: {x: true, y: false}},
       scales: {x: {time: false}},
       axes: [{label: "step", labelSize: 18, stroke: "#667085", grid: {stroke: "#eef0f3"}, ticks: {stroke: "#e4e7ec"}},
              {stroke: "#667085", grid: {stroke: "#eef0f3"}, ticks: {stroke: "#e4e7ec"}, size: 64, values: yValues}],
@@ -117,6 +117,14 @@
       }
     });
   }
+
+  window.addEventListener("resize", function () {
+    CHARTS.forEach(function (spec) {
+      var u = charts[spec.id];
+      var el = document.querySelector("#" + spec.id + " .plot");
+      if (u && el.clientWidth) { u.setSize({width: el.clientWidth, height: spec.height || 190}); }
+    });
+  });
 
   // ------------------------------------------------------------ the log: filters and follow
   var source = document.getElementById("log-source");

@@ -79,7 +79,7 @@ def look(browser) -> dict:
         const p = document.getElementById('progress');
         const marks = [...document.querySelectorAll('#loss-chart .interruption-marker')];
         return {{state: document.querySelector('.summary .badge').textContent, value: p.value, max: p.max,
-                 axis: {chart} && {chart}.axes[0].label, steps: {chart} && [...{chart}.data[0]],
+                 axis: {chart} ? {chart}.axes[0].label : null, steps: {chart} ? [...{chart}.data[0]] : [],
                  marks: marks.map(m => m.title), markedCharts: document.querySelectorAll('.interruption-marker').length,
                  log: document.getElementById('log').textContent, html: document.documentElement.outerHTML,
                  sameLoad: window.__sameLoad === 'during'}};
@@ -153,3 +153,20 @@ def test_the_job_page_during_and_after_a_run_with_an_interruption(watched, tmp_p
         browser.close()
     for name in ("jobs-list.png", "job-during.png", "job-after.png"):
         assert (ARTIFACTS / name).stat().st_size > 20_000, name  # a rendered page, not a blank one
+
+
+def test_the_pages_data_needs_the_cookie_and_names_no_other_job(watched):
+    data = f"{watched.url}/ui/jobs/{watched.job}/data"
+    assert requests.get(data, timeout=30).status_code == 401
+    assert requests.get(data, headers=watched.headers, timeout=30).status_code == 401  # the page's own sign-in only
+    cookie = {"etrain_token": TOKEN}
+    answer = requests.get(data, cookies=cookie, timeout=30)
+    assert answer.status_code == 200 and answer.headers["Content-Security-Policy"].startswith("default-src 'none'")
+    assert set(answer.json()) == {"id", "state", "active", "chart", "html"}
+    for other in ("j-000000000000", "..%2F..%2Fetc", "<b>"):
+        missing = requests.get(f"{watched.url}/ui/jobs/{other}/data", cookies=cookie, timeout=30)
+        assert missing.status_code == 404 and "<b>" not in missing.text
+    assert requests.get(f"{watched.url}/ui/jobs-table", timeout=30).status_code == 401
+    assert requests.get(f"{watched.url}/ui/static/etrain.js", timeout=30).headers["content-type"].startswith(
+        "text/javascript")
+    assert requests.get(f"{watched.url}/ui/static/..%2Fweb.py", timeout=30).status_code == 404
