@@ -32,8 +32,13 @@
                                       {key: "tokens_per_s", label: "tokens/s", color: "#b54708", optional: true}]},
     {id: "wait-chart", series: [{key: "data_wait_fraction", label: "data-wait fraction", color: "#b54708",
                                  percent: true}]},
-    {id: "world-chart", height: 120, series: [{key: "world_size", label: "world size", color: "#1b1f24", stepped: true}]}
+    {id: "world-chart", height: 120, whole: true, series: [{key: "world_size", label: "world size", color: "#1b1f24", stepped: true}]}
   ];
+  // Steps and workers come whole: their axes tick at 1, 2, 5, 10, 20, 25, 50, ...
+  var WHOLE = [1, 2, 5].concat([].concat.apply([], [1, 2, 3, 4, 5, 6, 7, 8].map(function (e) {
+    var p = Math.pow(10, e);
+    return [p, 2 * p, 2.5 * p, 5 * p];
+  })));
   var charts = {};
   var marks = [];
   window.etrainCharts = charts;  // for people (and tests) poking at the page from DevTools
@@ -73,13 +78,15 @@
   function makeChart(spec, cols, el) {
     var width = Math.max(320, el.clientWidth || 560);
     var yValues = function (u, splits) {
-      return splits.map(function (v) { return spec.series[0].percent ? Math.round(v * 100) + "%" : fmt(v); });
+      return splits.map(function (v) { return spec.series[0].percent ? +(v * 100).toPrecision(2) + "%" : fmt(v); });
     };
     var opts = {
       width: width, height: spec.height || 190, cursor: {sync: {key: "etrain"}, drag: {x: true, y: false}},
       scales: {x: {time: false}},
-      axes: [{label: "step", labelSize: 18, stroke: "#667085", grid: {stroke: "#eef0f3"}, ticks: {stroke: "#e4e7ec"}},
-             {stroke: "#667085", grid: {stroke: "#eef0f3"}, ticks: {stroke: "#e4e7ec"}, size: 64, values: yValues}],
+      axes: [{label: "step", labelSize: 18, stroke: "#667085", grid: {stroke: "#eef0f3"}, ticks: {stroke: "#e4e7ec"},
+              incrs: WHOLE},
+             {stroke: "#667085", grid: {stroke: "#eef0f3"}, ticks: {stroke: "#e4e7ec"}, size: 64, values: yValues,
+              incrs: spec.whole ? WHOLE : undefined}],
       series: [{label: "step", value: function (u, v) { return v === null ? "-" : String(v); }}].concat(
         cols.shown.map(function (s) {
           return {label: s.label, stroke: s.color, width: 1.6, spanGaps: true,
