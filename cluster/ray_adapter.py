@@ -72,3 +72,11 @@ def route_worker_logs(handler: Callable[[dict], None]) -> None:
 
     dispatcher.remove_handler(WORKER_LOG_HANDLER)
     dispatcher.add_handler(WORKER_LOG_HANDLER, handler)
+
+
+def autoscaler_events(lines: list[str]) -> list[str]:
+    """The events among the autoscaler's forwarded lines (its status dumps dropped), as Ray's
+    own printer shows them (``ray._private.worker.filter_autoscaler_events``)."""
+    from ray._private.worker import filter_autoscaler_events
+
+    return list(filter_autoscaler_events(lines))

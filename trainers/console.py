@@ -126,7 +126,12 @@ class Console:
 
     def worker_lines(self, batch: dict) -> None:
         """A batch of lines Ray forwarded from one worker or actor."""
-        for line in batch.get("lines", []):
+        lines = batch.get("lines", [])
+        if batch.get("pid") == "autoscaler":  # its status dump every few seconds: only its events count
+            from cluster.ray_adapter import autoscaler_events
+
+            lines = autoscaler_events(lines)
+        for line in lines:
             line = strip_ansi(line).rstrip()
             if OURS in line:
                 self.say(line[line.index(OURS):])

@@ -194,7 +194,8 @@ def test_xss_payloads_come_back_escaped_and_no_script_runs(service, tmp_path):
     from browser import Browser
 
     job = api(service, "POST", "/v1/jobs", "alice", json=quick_job("page")).json()["id"]
-    assert wait_done(service, job, "alice")["state"] == "SUCCEEDED", api(service, "GET", f"/v1/jobs/{job}/logs").text
+    done = wait_done(service, job, "alice")
+    assert done["state"] == "SUCCEEDED", (done["error"], done["history"], done["summary"], api(service, "GET", f"/v1/jobs/{job}/logs").text)
     folder = service.root / "tenants" / "team-a" / job  # what a job writes, as a hostile one would
     (folder / "interruptions.json").write_text(json.dumps([{"cause": PAYLOAD, "interrupted_at": PAYLOAD,
                                                             "steps_lost": PAYLOAD, "recovery_s": PAYLOAD}]))

@@ -187,3 +187,15 @@ def test_jobs_get_is_a_field_a_line_within_80_columns():
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "progress:   12k/20k 60%" in text and "eta:        1h06m" in text and "goodput:    87%" in text
     assert "(1m00s ago)" in text and "attempts:   2" in text and "error:      boom" in text
+
+
+def test_verbose_console_shows_only_the_autoscalers_events(monkeypatch):
+    import cluster.ray_adapter
+
+    # Ray's own filter needs a connected Ray; here a stand-in that keeps what it would keep.
+    monkeypatch.setattr(cluster.ray_adapter, "autoscaler_events", lambda lines: [l for l in lines if "Adding" in l])
+    out = io.StringIO()
+    with Console(out, live=False, verbose=True) as console:
+        console.worker_lines({"lines": ["======== Autoscaler status: 2026-11-30 ========", "Node status",
+                                        "Adding 1 node(s) of type gpu_spot."], "pid": "autoscaler", "is_err": False})
+    assert out.getvalue() == "(pid=autoscaler) Adding 1 node(s) of type gpu_spot.\n"

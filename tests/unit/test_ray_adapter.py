@@ -59,3 +59,9 @@ def test_worker_log_routing_replaces_rays_printer_until_shutdown():
         assert WORKER_LOG_HANDLER not in [name for name, _ in dispatcher.handlers]
     finally:
         dispatcher.remove_handler(WORKER_LOG_HANDLER)
+
+
+def test_rays_autoscaler_event_filter_takes_the_lines():
+    from ray._private.worker import filter_autoscaler_events
+
+    assert list(inspect.signature(filter_autoscaler_events).parameters) == ["lines"]  # it needs a connected Ray
