@@ -88,8 +88,7 @@ class Console:
 
             self._bar = Bar(TextColumn("step {task.completed:.0f}/{task.fields[target]}"), BarColumn(),
                             TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[stats]}"),
-                            console=RichConsole(file=self.out), transient=False, redirect_stdout=False,
-                            redirect_stderr=False)
+                            console=RichConsole(file=self.out), transient=False)  # stray prints go above it
             self._task = self._bar.add_task("train", total=None, target="?", stats="starting")
             self._bar.start()
         return self
