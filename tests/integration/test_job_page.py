@@ -40,6 +40,7 @@ def watched(ray_local, tmp_path_factory):
 
     if not shutil.which("chromium"):
         pytest.fail("chromium is not installed: .ci/run installs the Debian package")
+    wait_for_jobs_agent(f"http://{get_dashboard_url()}")
     work = tmp_path_factory.mktemp("page")
     settings = ServiceSettings(storage_root=str(work / "root"), state_dir=str(work / "state"),
                                ray_dashboard_url=f"http://{get_dashboard_url()}", reconcile_interval_s=1,
@@ -66,6 +67,26 @@ def watched(ray_local, tmp_path_factory):
     finally:
         serve.delete("etrain")
         serve.shutdown()
+
+
+def wait_for_jobs_agent(dashboard_url: str) -> None:
+    """Ray's Jobs API refuses submissions ("No available agent to submit job, please try again
+    later") until a node's agent has registered, which on a busy machine takes a while after
+    Ray starts: a throwaway submission tells when it is there."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(dashboard_url)
+
+    def accepted() -> bool:
+        try:
+            client.submit_job(entrypoint="true")
+        except RuntimeError as exc:
+            if "No available agent" in str(exc):
+                return False
+            raise
+        return True
+    wait_for(accepted, 180, "Ray's Jobs API to accept a submission (its node agent listens on port 52365: "
+                            "another Ray on this machine may hold it)", poll_s=2)
 
 
 def state_of(watched) -> str:
