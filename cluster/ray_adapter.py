@@ -10,6 +10,8 @@
 - The dashboard address of the Ray this process is connected to (Ray has no public getter).
 - The most of each resource the autoscaler may bring up, when it reported its node groups to
   the GCS (``use_gpu: auto`` reads it through cluster.capacity).
+- The driver's printer of worker output and its autoscaler-event filter: `etrain run` routes
+  forwarded worker lines through its own console instead of Ray's printer.
 
 It lives in cluster/, the lowest layer, so trainers/ and cluster/ share it; nothing else in
 the project may import ``ray._private``, ``ray._raylet``, ``ray.experimental.internal_kv``
@@ -20,6 +22,8 @@ tests/unit/test_ray_adapter.py fails loudly when Ray moves or changes any of the
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+
 
 REFRESH_REQUESTER = "etrain-refresh"  # owns no request: asking for its reservation only ticks the actor
 
@@ -94,3 +98,28 @@ def reported_max_resources() -> dict[str, float] | None:
 
     found = ray._private.state.state.get_max_resources_from_cluster_config()
     return {k: float(v) for k, v in found.items()} if found else None
+
+
+WORKER_LOG_HANDLER = "ray_print_logs"
+
+
+def route_worker_logs(handler: Callable[[dict], None]) -> None:
+    """Send the log lines Ray forwards from workers to the driver to ``handler`` instead of Ray's
+    printer, for as long as this process stays connected. ``handler`` gets Ray's batch:
+    ``{"lines", "is_err", "pid", "actor_name", "task_name", ...}``. Ray prints through
+    ``ray._private.worker.print_to_stdstream``, registered as ``ray_print_logs`` on
+    ``ray._private.ray_logging.global_worker_stdstream_dispatcher`` when ``ray.init(log_to_driver=True)``
+    connects and removed by that name at ``ray.shutdown()``; there is no public hook for it.
+    """
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    dispatcher.remove_handler(WORKER_LOG_HANDLER)
+    dispatcher.add_handler(WORKER_LOG_HANDLER, handler)
+
+
+def autoscaler_events(lines: list[str]) -> list[str]:
+    """The events among the autoscaler's forwarded lines (its status dumps dropped), as Ray's
+    own printer shows them (``ray._private.worker.filter_autoscaler_events``)."""
+    from ray._private.worker import filter_autoscaler_events
+
+    return list(filter_autoscaler_events(lines))

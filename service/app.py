@@ -141,13 +141,13 @@ def add_routes(kind: str) -> None:
                      offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500),
                      who: Principal = Depends(principal)):
         records = manager().list(kind, who.tenant, who.is_admin, state)
-        return {"items": [manager().public(r) for r in records[offset:offset + limit]], "total": len(records),
+        return {"items": [with_progress(r) for r in records[offset:offset + limit]], "total": len(records),
                 "offset": offset, "limit": limit}
 
     @app.get(base + "/{record_id}", response_model=RecordOut, responses=ERRORS, tags=[plural],
              operation_id=f"get_{kind}")
     def get_record(record_id: str = RecordId, who: Principal = Depends(principal)):
-        return manager().public(visible(record_id, who, kind))
+        return with_progress(visible(record_id, who, kind))
 
     @app.get(base + "/{record_id}/logs", response_class=PlainTextResponse, tags=[plural],
              responses={**TEXT_ROUTE_ERRORS, 503: TEXT_ROUTE_ERRORS[404]},
@@ -203,6 +203,13 @@ def add_routes(kind: str) -> None:
         return {"id": record.id, "rows": manager().metrics(record)}
 
 
+def with_progress(record: Record) -> dict:
+    """The record as the API shows it, its progress from the latest metrics row (a running job's too)."""
+    data = manager().public(record)
+    data["progress"] = {**data["progress"], **{k: v for k, v in progress(record).items() if v is not None}}
+    return data
+
+
 add_routes("job")
 add_routes("sweep")
 
@@ -231,28 +238,47 @@ def page(text: str, status_code: int = 200) -> HTMLResponse:
     return HTMLResponse(text, status_code=status_code, headers=web.HEADERS)
 
 
-@app.get("/ui/style.css", include_in_schema=False)
-def ui_style() -> Response:
-    return Response(web.STYLE, media_type="text/css", headers={"Cache-Control": "max-age=3600",
-                                                                "X-Content-Type-Options": "nosniff"})
+@app.get("/ui/static/{name:path}", include_in_schema=False)
+def ui_static(name: str) -> Response:
+    found = web.static_file(name)
+    if found is None:
+        return Response("not found", status_code=404, media_type="text/plain")
+    body, media_type = found
+    return Response(body, media_type=media_type, headers={"Cache-Control": "max-age=3600",
+                                                          "X-Content-Type-Options": "nosniff"})
 
 
-@app.get("/", response_class=HTMLResponse, include_in_schema=False)
-def ui_jobs(request: Request):
-    who = web_principal(request)
-    if who is None:
-        return page(web.login_page(), 401)
+def ui_rows(who: Principal) -> list[dict]:
     mgr, rows = manager(), []
     for kind in ("job", "sweep"):
         for r in mgr.list(kind, who.tenant, who.is_admin):
-            history = mgr.metrics(r)
-            last = history[-1] if history and isinstance(history[-1], dict) else {}
-            summary = r.summary or {}
-            rows.append({"id": r.id, "name": r.name, "kind": r.kind, "state": r.state,
-                         "step": last.get("step", summary.get("final_step")),
-                         "target_step": summary.get("target_step") or (r.spec.get("training") or {}).get("max_steps"),
-                         "goodput": last.get("goodput"), "updated_at": r.updated_at})
-    return page(web.jobs_page(who.tenant, rows))
+            rows.append({"id": r.id, "name": r.name, "kind": r.kind, "state": r.state, "created_at": r.created_at,
+                         "updated_at": r.updated_at, "progress": progress(r)})
+    return sorted(rows, key=lambda row: -row["created_at"])
+
+
+def progress(record: Record) -> dict:
+    """Where a record stands now (its latest metrics row), not only where its last run ended."""
+    return web.progress_of(record.model_dump(mode="json"), manager().metrics(record), manager().interruptions(record))
+
+
+UI_STATE = Query(None, pattern="^(PENDING|RUNNING|STOPPING|STOPPED|SUCCEEDED|FAILED)$")
+
+
+@app.get("/", response_class=HTMLResponse, include_in_schema=False)
+def ui_jobs(request: Request, state: str | None = UI_STATE):
+    who = web_principal(request)
+    if who is None:
+        return page(web.login_page(), 401)
+    return page(web.jobs_page(who.tenant, ui_rows(who), state))
+
+
+@app.get("/ui/jobs-table", response_class=HTMLResponse, include_in_schema=False)
+def ui_jobs_table(request: Request, state: str | None = UI_STATE):
+    who = web_principal(request)
+    if who is None:
+        return page("", 401)
+    return page(web.jobs_table(ui_rows(who), state))
 
 
 @app.post("/ui/login", response_class=HTMLResponse, include_in_schema=False)
@@ -266,21 +292,45 @@ async def ui_login(request: Request):
     return response
 
 
+LOG_LINES = 400  # the page's log: enough to scroll back through, small enough to send every refresh
+
+
+def ui_record(record_id: str, who: Principal) -> Record | None:
+    if not re.fullmatch(ID_PATTERN, record_id):
+        return None
+    return manager().visible(record_id, who.tenant, who.is_admin)
+
+
+def ui_parts(record: Record) -> tuple:
+    mgr = manager()
+    try:
+        logs = mgr.logs(record, LOG_LINES)
+    except RayUnavailable as exc:  # the page still shows the rest, and says why the log is missing
+        logs = f"[logs unavailable: {exc}]"
+    return mgr.public(record), mgr.metrics(record), mgr.interruptions(record), mgr.checkpoints(record), logs
+
+
 @app.get("/ui/jobs/{record_id}", response_class=HTMLResponse, include_in_schema=False)
 def ui_job(record_id: str, request: Request):
     who = web_principal(request)
     if who is None:
         return page(web.login_page(), 401)
-    mgr = manager()
-    record = mgr.visible(record_id, who.tenant, who.is_admin) if re.fullmatch(ID_PATTERN, record_id) else None
+    record = ui_record(record_id, who)
     if record is None:
         return page(web.not_found_page(f"no job {record_id!r}"), 404)
-    try:
-        logs = mgr.logs(record, 80)
-    except RayUnavailable as exc:
-        logs = f"[logs unavailable: {exc}]"
-    return page(web.job_page(mgr.public(record), mgr.metrics(record), mgr.interruptions(record),
-                             mgr.checkpoints(record), logs))
+    return page(web.job_page(*ui_parts(record)))
+
+
+@app.get("/ui/jobs/{record_id}/data", include_in_schema=False)
+def ui_job_data(record_id: str, request: Request) -> JSONResponse:
+    """What the page's script refreshes: chart series and the page's parts, escaped here."""
+    who = web_principal(request)
+    if who is None:
+        return JSONResponse({"detail": "sign in again"}, status_code=401, headers=web.HEADERS)
+    record = ui_record(record_id, who)
+    if record is None:
+        return JSONResponse({"detail": f"no job {record_id!r}"}, status_code=404, headers=web.HEADERS)
+    return JSONResponse(web.job_data(*ui_parts(record)), headers=web.HEADERS)
 
 
 def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threading.Event:

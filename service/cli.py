@@ -216,7 +216,7 @@ def cmd_records(args: argparse.Namespace) -> int:
                 f"step {r['step']:>7}  loss {r.get('loss', float('nan')):.4f}  {r.get('samples_per_s', 0):.0f} samples/s"
                 for r in out["rows"]) or "(no metrics yet)")
         out = c.call("GET", f"/v1/{plural}/{args.id}").json()
-        return _show(args, out, lambda: table([out]))
+        return _show(args, out, lambda: details(out))
     except ApiError as exc:
         print(exc.render(), file=sys.stderr)
         return 1
@@ -227,17 +227,85 @@ def _show(args: argparse.Namespace, out, render) -> int:
     return 0
 
 
-def table(records: list[dict]) -> str:
+WIDTH = 80  # a terminal's width: tables fit it, the name column gives way
+
+
+def short_age(seconds: float | None) -> str:
+    if seconds is None or seconds < 0:
+        return "-"
+    for size, unit, small, small_unit in ((86400, "d", 3600, "h"), (3600, "h", 60, "m"), (60, "m", 1, "s")):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}{seconds % size // small:02.0f}{small_unit}"
+    return f"{seconds:.0f}s"
+
+
+def steps(n: float) -> str:
+    return f"{n:.0f}" if n < 10000 else f"{n / 1000:.0f}k" if n < 10_000_000 else f"{n / 1e6:.0f}M"
+
+
+def progress_text(p: dict) -> str:
+    step, target = p.get("step"), p.get("target_step")
+    if step is None:
+        return "-"
+    if not target:
+        return steps(step)
+    return f"{steps(step)}/{steps(target)} {100 * min(1.0, step / target):.0f}%"
+
+
+def table(records: list[dict], now: float | None = None) -> str:
+    """Records as columns that fit an 80-column terminal (a long name is cut, with an ellipsis)."""
     if not records:
         return "(none)"
-    rows = [("ID", "NAME", "TENANT", "STATE", "STEP", "UPDATED")]
+    now = time.time() if now is None else now
+    tenants = len({r["tenant"] for r in records}) > 1
+    head = ("ID", "NAME", *(("TENANT",) if tenants else ()), "STATE", "PROGRESS", "GOODPUT", "COST", "AGE")
+    rows = [head]
     for r in records:
         p = r.get("progress") or {}
-        step = f"{p.get('step')}/{p.get('target_step')}" if p.get("step") is not None else "-"
-        rows.append((r["id"], r["name"], r["tenant"], r["state"], step,
-                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["updated_at"]))))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+        goodput = f"{100 * p['goodput']:.0f}%" if p.get("goodput") is not None else "-"
+        cost = f"${p['cost_usd']:.2f}" if p.get("cost_usd") is not None else "-"
+        rows.append((r["id"], r["name"], *((r["tenant"],) if tenants else ()), r["state"], progress_text(p), goodput,
+                     cost, short_age(now - r["created_at"])))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    # Free text gives way, the name first: down to 8, then a tenant to 6, then the name to 4.
+    for column, least in ((1, 8), *(((2, 6),) if tenants else ()), (1, 4)):
+        over = sum(widths) + 2 * (len(widths) - 1) - WIDTH
+        if over > 0:
+            widths[column] = max(min(least, widths[column]), widths[column] - over)
+
+    def cell(value, width: int) -> str:
+        text = str(value)
+        return (text if len(text) <= width else text[:width - 1] + "\u2026").ljust(width)
+    return "\n".join("  ".join(cell(c, w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def details(r: dict, now: float | None = None) -> str:
+    """One record, a field a line, for `jobs get`."""
+    now = time.time() if now is None else now
+    p = r.get("progress") or {}
+
+    def when(t: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    fields = [("id", r["id"]), ("name", r["name"]), ("tenant", r["tenant"]), ("state", r["state"]),
+              ("progress", progress_text(p))]
+    if p.get("eta_s") is not None:
+        fields.append(("eta", short_age(p["eta_s"])))
+    for key, label, fmt in (("loss", "loss", "{:.4f}"), ("samples_per_s", "samples/s", "{:.0f}"),
+                            ("world_size", "world size", "{:.0f}"), ("goodput", "goodput", "{:.0%}"),
+                            ("cost_usd", "cost", "${:.4f}")):
+        if p.get(key) is not None:
+            fields.append((label, fmt.format(p[key])))
+    fields += [("created", f"{when(r['created_at'])} ({short_age(now - r['created_at'])} ago)"),
+               ("updated", when(r["updated_at"])), ("storage", r["storage"]),
+               ("attempts", str(len(r.get("submissions") or [])))]
+    if r.get("error"):
+        fields.append(("error", r["error"]))
+    lines = [f"{k + ':':<12}{v}" for k, v in fields]
+    history = r.get("history") or []
+    if history:
+        lines.append("history:")
+        lines += [f"  {when(h['at'])}  {h['state']:<9}  {h['reason']}"[:WIDTH] for h in history[-8:]]
+    return "\n".join(lines)
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:

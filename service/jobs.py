@@ -317,6 +317,8 @@ class JobManager:
         args = [self.settings.python, "-m", ENTRY_MODULES[record.kind], record.spec_uri]
         if record.kind == "sweep" and resume:
             args.append("--resume")
+        if record.kind == "job":  # the log keeps Ray's lines too: the page tells them apart and filters
+            args.append("--verbose")
         return shlex.join(args)  # every word is ours or a storage URI we made, quoted all the same
 
     def job_env(self, tenant: str) -> dict[str, str]:

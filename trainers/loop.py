@@ -34,6 +34,7 @@ from ray.train import Checkpoint, CheckpointUploadMode
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, batching_summary
+from trainers.console import progress_line
 from trainers.data import BatchPlan, PlanSampler, StepMicroBatches, make_loader
 from cluster.metrics import node_kind
 from trainers.observe import Observer, group_kinds
@@ -233,17 +234,16 @@ def train_loop_per_worker(config: dict) -> None:
                 "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed,
                 "steady_samples_per_s": steady_samples / steady_s if steady_s > 0 and steady_samples else samples / elapsed,
                 "world_size": world, "global_batch_size": t.batch_size, "micro_batch_size": micro,
-                "grad_accum_steps": len(shares),  # this step's micro-batches: by tokens, they vary "train_seconds": now - run_start,
+                "grad_accum_steps": len(shares),  # this step's micro-batches: by tokens, they vary
+                "train_seconds": now - run_start,
             }
             window.zero_()
             window_start = now
             observer.log_step(metrics, elapsed)
             if rank == 0:
                 eta = (target - done) / max(1e-9, (done - start) / (now - run_start))
-                print(f"[etrain] step {done}/{target} ({100 * done / target:.0f}%) loss {metrics['loss']:.4f} "
-                      f"lr {metrics['learning_rate']:.2e} {metrics['samples_per_s']:.0f} samples/s"
-                      + (f" {metrics['tokens_per_s']:.0f} tokens/s" if tokens else "")
-                      + f" eta {_hms(eta)}", flush=True)
+                print(progress_line(done, target, metrics["loss"], metrics["learning_rate"], metrics["samples_per_s"],
+                                    metrics["tokens_per_s"], eta), flush=True)
             if not is_ckpt:
                 continue
             in_sync = params_in_sync(model, world)
@@ -377,8 +377,3 @@ def _to_device(batch, device: torch.device):
     if isinstance(batch, dict):
         return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
     return batch
-
-
-def _hms(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -85,7 +85,8 @@ def test_submit_run_stop_resume_over_http(service):
 
     done = wait_state(service, quick_id, {"SUCCEEDED", "FAILED"})
     assert done["state"] == "SUCCEEDED", api(service, "GET", f"/v1/jobs/{quick_id}/logs").text[-3000:]
-    assert done["summary"]["final_step"] == 30 and done["progress"] == {"step": 30, "target_step": 30}
+    assert done["summary"]["final_step"] == 30
+    assert done["progress"]["step"] == done["progress"]["target_step"] == 30 and done["progress"]["fraction"] == 1.0
     checkpoints = api(service, "GET", f"/v1/jobs/{quick_id}/checkpoints").json()
     assert checkpoints[-1]["step"] == 30 and checkpoints[-1]["complete"] and checkpoints[-1]["size_bytes"] > 0
     rows = api(service, "GET", f"/v1/jobs/{quick_id}/metrics").json()["rows"]
@@ -212,6 +213,9 @@ def test_the_cli_client_submits_lists_and_explains_errors(service, tmp_path):
     assert record["name"] == "cli-job" and record["state"] in ("RUNNING", "PENDING")
     listed = etrain(service, "jobs", "list")
     assert listed.returncode == 0 and record["id"] in listed.stdout and "STATE" in listed.stdout
+    assert max(len(line) for line in listed.stdout.splitlines()) <= 80
+    shown = etrain(service, "jobs", "get", record["id"])
+    assert f"id:         {record['id']}" in shown.stdout and "progress:" in shown.stdout
     got = etrain(service, "jobs", "get", record["id"], "--json")
     assert json.loads(got.stdout)["id"] == record["id"]
 

@@ -72,3 +72,26 @@ def test_no_module_but_the_adapter_imports_ray_internals():
             if any(n.startswith(INTERNAL) for n in names):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders, f"Ray internals outside cluster/ray_adapter.py: {offenders}"
+def test_worker_log_routing_replaces_rays_printer_until_shutdown():
+    from ray._private import worker
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    from cluster.ray_adapter import WORKER_LOG_HANDLER, route_worker_logs
+
+    assert callable(worker.print_to_stdstream)  # what connect() registers under the name we replace
+    seen = []
+    dispatcher.add_handler(WORKER_LOG_HANDLER, lambda data: seen.append(("ray", data)))
+    try:
+        route_worker_logs(lambda data: seen.append(("ours", data)))
+        dispatcher.emit({"lines": ["x"], "is_err": False, "pid": 1})
+        assert seen == [("ours", {"lines": ["x"], "is_err": False, "pid": 1})]  # Ray's printer no longer prints
+        dispatcher.remove_handler(WORKER_LOG_HANDLER)  # what ray.shutdown() does: ours goes with it
+        assert WORKER_LOG_HANDLER not in [name for name, _ in dispatcher.handlers]
+    finally:
+        dispatcher.remove_handler(WORKER_LOG_HANDLER)
+
+
+def test_rays_autoscaler_event_filter_takes_the_lines():
+    from ray._private.worker import filter_autoscaler_events
+
+    assert list(inspect.signature(filter_autoscaler_events).parameters) == ["lines"]  # it needs a connected Ray

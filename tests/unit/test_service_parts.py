@@ -301,8 +301,11 @@ def test_the_page_escapes_every_value_a_job_wrote():
     html = web.job_page(record, rows, [{"cause": evil, "interrupted_at": evil, "steps_lost": evil, "recovery_s": evil}],
                         [{"step": evil, "complete": True, "size_bytes": evil, "uri": evil}], evil)
     assert "<img" not in html and html.count("&lt;img src=x onerror=window.__pwned=1&gt;") >= 7
-    listing = web.jobs_page(evil, [{"id": evil, "name": evil, "kind": "job", "state": evil, "step": evil,
-                                    "target_step": 3, "goodput": evil, "updated_at": evil}])
+    data = web.job_data(record, rows, [{"cause": evil, "step_reached": 3, "world_size_before": evil}], [], evil)
+    assert "<img" not in json.dumps(data["html"])  # the script puts these parts in as HTML: escaped here
+    assert data["chart"]["interruptions"][0]["cause"] == evil  # labels are data; the script sets them as text
+    listing = web.jobs_page(evil, [{"id": evil, "name": evil, "kind": "job", "state": evil, "created_at": evil,
+                                    "progress": {"step": evil, "target_step": 3, "goodput": evil}, "updated_at": evil}])
     assert "<img" not in listing
 
 
