@@ -147,6 +147,21 @@ def ray_error_status(exc: BaseException) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def submission_retryable(exc: BaseException) -> bool:
+    """Whether Ray's Jobs API said "not now" to a submission rather than "no".
+
+    A head whose job agent has not registered yet answers 500 "No available agent to submit
+    job, please try again later"; a restarting or overloaded dashboard answers 502/503/504 or
+    not at all. A 4xx, or any other 500, is a refusal that sending again would not change.
+    """
+    import requests
+
+    if isinstance(exc, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError)):
+        return True
+    status = ray_error_status(exc)
+    return status in (502, 503, 504) or (status == 500 and "try again later" in str(exc))
+
+
 def backoff_s(failures: int, base_s: float, cap_s: float = 60.0) -> float:
     """How long to leave a record alone after ``failures`` failed passes in a row."""
     return min(cap_s, base_s * 2 ** max(0, failures - 1)) if failures else 0.0
@@ -164,7 +179,8 @@ def reconcile_decision(state: str, ray_status: str | None, outcome: str | None, 
     answer), or None (never submitted); ``outcome`` is the status in the run's summary
     (succeeded/stopped/failed); ``others_alive``: another submission of the record still runs
     in Ray; ``stop_overdue``: a graceful stop's grace period is over and Ray still runs it.
-    Actions: resubmit (the job is known gone), stop (ask Ray again), wait (back off, retry).
+    Actions: resubmit (the job is known gone), send (the submission Ray never took, same id),
+    stop (ask Ray again), wait (back off, retry).
     """
     if state in TERMINAL:
         return state, None
@@ -173,6 +189,8 @@ def reconcile_decision(state: str, ray_status: str | None, outcome: str | None, 
     if ray_status in (None, MISSING):
         if state == "STOPPING":
             return "STOPPED", None
+        if state == "PENDING" and ray_status == MISSING:  # Ray never took it: send the same id again
+            return "PENDING", "send"
         return "RUNNING", (None if others_alive else "resubmit")
     if ray_status in ("PENDING", "RUNNING"):
         if state == "STOPPING":
@@ -331,21 +349,33 @@ class JobManager:
 
     def submit(self, record: Record, reason: str = "submitted to Ray") -> Record:
         """Start the record's next attempt. The submission id is saved before Ray hears of it."""
-        attempt = len(record.submissions)
-        sid = f"etrain-{record.id}-{attempt}"
-        record.submissions.append(sid)
+        record.submissions.append(f"etrain-{record.id}-{len(record.submissions)}")
         self.store.save(record)
+        return self._send(record, reason)
+
+    def _send(self, record: Record, reason: str) -> Record:
+        """Hand the record's latest submission to Ray. Ray's "try again later" (no job agent yet,
+        a 502/503/504, no answer) leaves the record PENDING under back-off: the reconciler sends
+        the same submission id again, so Ray runs it once. Any other refusal fails the record."""
+        sid = record.submissions[-1]
         try:
-            self.client.submit_job(entrypoint=self.entrypoint(record, resume=attempt > 0), submission_id=sid,
-                                   metadata={"etrain_record": record.id, "tenant": record.tenant},
+            self.client.submit_job(entrypoint=self.entrypoint(record, resume=len(record.submissions) > 1),
+                                   submission_id=sid, metadata={"etrain_record": record.id, "tenant": record.tenant},
                                    runtime_env={"env_vars": self.job_env(record.tenant)},
                                    entrypoint_resources=self.settings.entrypoint_resources or None)
-        except RuntimeError as exc:
-            if "already exists" not in str(exc):
+        except Exception as exc:  # boundary: Ray's HTTP API
+            if "already exists" not in str(exc):  # Ray has it: a retry of a submission it took
+                if submission_retryable(exc):
+                    if record.move("PENDING", "waiting for Ray's Jobs API"):
+                        self.store.save(record)
+                    self._failed(record.id, "submit", f"Ray did not take submission {sid} yet "
+                                 f"({type(exc).__name__}: {str(exc)[:200]}); the service sends it again")
+                    return self.store.get(record.id)
                 record.error = f"Ray refused the submission: {exc}"
                 record.move("FAILED", "submission refused")
                 self.store.save(record)
                 return record
+        self._failures.pop(record.id, None)
         record.error = None
         record.move("RUNNING", reason)
         self.store.save(record)
@@ -559,6 +589,8 @@ class JobManager:
                 return self.store.get(record_id)
             if summary is not None:
                 record.summary = summary
+            if action == "send":
+                return self._send(record, reason="submitted to Ray")
             if action == "resubmit":
                 self._failures.pop(record_id, None)
                 return self.submit(record, reason="Ray lost the job (head restarted?): resubmitted from its checkpoint")

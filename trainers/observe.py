@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from cluster.metrics import JobMetrics, NodeKind, cost_usd, goodput, node_kind
+from cluster.metrics import JobMetrics, NodeKind, cost_usd, goodput
 from cluster.storage import StorageRoot
 from trainers.config import JobSpec
 from trainers.history import MetricsHistory

@@ -19,10 +19,11 @@ from service.store import Record
 
 
 class FakeDashboard:
-    """Answers /api/version; /api/jobs/<id> with ``status_code``; records every POST."""
+    """Answers /api/version; /api/jobs/<id> with ``status_code``; records every POST and answers
+    it with the next of ``post_answers`` ((code, text) pairs), then 200."""
 
     def __init__(self):
-        self.status_code, self.posts = 503, []
+        self.status_code, self.posts, self.post_answers = 503, [], []
         dash = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -47,6 +48,13 @@ class FakeDashboard:
             def do_POST(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 dash.posts.append(json.loads(self.rfile.read(length) or b"{}"))
+                if dash.post_answers:
+                    code, text = dash.post_answers.pop(0)
+                    data = text.encode()
+                    self.send_response(code)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    return self.wfile.write(data)
                 self._send(200, {"job_id": "raysubmit", "submission_id": dash.posts[-1].get("submission_id")})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -92,6 +100,58 @@ def test_a_503_from_the_jobs_api_never_resubmits_and_a_404_does(tmp_path, monkey
         assert record.state == "RUNNING" and record.error is None
     finally:
         dash.close()
+
+
+def test_a_head_with_no_job_agent_yet_gets_the_same_submission_again_and_a_refusal_fails(tmp_path, monkeypatch):
+    """Ray's real client against a dashboard whose job agent has not registered (a fresh head,
+    a busy machine): the record waits PENDING under back-off and the same id is sent again."""
+    from ray.job_submission import JobSubmissionClient
+
+    from service.auth import Principal
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    dash = FakeDashboard()
+    try:
+        mgr = manager(tmp_path, JobSubmissionClient(dash.url))
+        no_agent = (500, "No available agent to submit job, please try again later.")
+        dash.post_answers = [no_agent, no_agent]
+        dash.status_code = 404  # Ray never took it
+        record, created = mgr.create("job", Principal("team-a", "user"), {"name": "agentless"}, None, "")
+        assert created and record.state == "PENDING", record
+        assert "did not take submission etrain-" in record.error and "try again later" in record.error
+        assert "next try in" in record.error
+        for _ in range(100):
+            record = mgr.reconcile_one(record.id) if time.monotonic() > mgr._failures.get(record.id, (0, 0))[1] \
+                else mgr.store.get(record.id)
+            if record.state == "RUNNING":
+                break
+            time.sleep(0.01)
+        assert record.state == "RUNNING" and record.error is None, record
+        sids = [p["submission_id"] for p in dash.posts]
+        assert sids == [record.submissions[0]] * 3 and len(record.submissions) == 1, "one attempt, sent three times"
+
+        dash.post_answers = [(400, "runtime_env: bad field")]
+        refused, _ = mgr.create("job", Principal("team-a", "user"), {"name": "refused"}, None, "")
+        assert refused.state == "FAILED" and "Ray refused the submission" in refused.error
+        assert "bad field" in refused.error
+    finally:
+        dash.close()
+
+
+@pytest.mark.parametrize("exc,retryable", [
+    (RuntimeError("Request failed with status code 500: No available agent to submit job, please try again later."),
+     True),
+    (RuntimeError("Request failed with status code 503: Service Unavailable"), True),
+    (RuntimeError("Request failed with status code 502: Bad Gateway"), True),
+    (ConnectionError("connection refused"), True),
+    (RuntimeError("Request failed with status code 500: Traceback ... ValueError"), False),
+    (RuntimeError("Request failed with status code 400: bad runtime_env"), False),
+    (ValueError("not a Ray answer"), False),
+])
+def test_which_submission_errors_are_sent_again(exc, retryable):
+    from service.jobs import submission_retryable
+
+    assert submission_retryable(exc) is retryable
 
 
 class FakeClient:
@@ -219,6 +279,9 @@ def test_a_missing_latest_submission_is_not_resubmitted_while_an_earlier_one_run
 @pytest.mark.parametrize("state,ray_status,others_alive,overdue,expected", [
     ("RUNNING", MISSING, True, False, ("RUNNING", None)),
     ("RUNNING", MISSING, False, False, ("RUNNING", "resubmit")),
+    ("PENDING", MISSING, False, False, ("PENDING", "send")),
+    ("PENDING", None, False, False, ("RUNNING", "resubmit")),
+    ("PENDING", "RUNNING", False, False, ("RUNNING", None)),
     ("STOPPING", "RUNNING", False, True, ("STOPPING", "stop")),
     ("STOPPING", "RUNNING", False, False, ("STOPPING", None)),
     ("STOPPING", UNREACHABLE, False, True, ("STOPPING", "wait")),

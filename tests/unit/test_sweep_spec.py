@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from trainers.config import SpecError
-from trainers.sweep import best_row, load_sweep, render_table, space_problems, trial_spec_data, tune_space
+from trainers.sweep import best_row, load_sweep, render_table, trial_spec_data, tune_space
 
 REPO = Path(__file__).resolve().parents[2]
 
