@@ -99,7 +99,7 @@ TRAINING_NODES = ("import json, ray; from ray.util.state import list_actors; "
                   "print(json.dumps(sorted(ips[a.node_id] for a in acts if a.node_id in ips)))")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def rehearsal():
     if os.geteuid() != 0:
         pytest.fail("the rehearsal needs root (network namespaces); CI runs as root")
