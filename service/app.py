@@ -25,7 +25,9 @@ from starlette.concurrency import run_in_threadpool
 
 from service import web
 from service.auth import Principal, TokenEntry, Tokens
-from service.jobs import Conflict, Forbidden, JobManager, QuotaExceeded, RayUnavailable, ServiceSettings
+from service.isolation import check_code_tenants
+from service.jobs import (Conflict, Forbidden, JobManager, QuotaExceeded, RayUnavailable, ServiceSettings,
+                          jobs_headers)
 from service.schemas import CheckpointOut, Health, MetricsOut, Problem, RecordList, RecordOut
 from service.store import ID_PATTERN, Record
 from trainers.config import SpecError, parse_text
@@ -337,6 +339,8 @@ def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threadi
     """Set this process's manager and start the reconciler (at once, then every interval)."""
     from cluster.metrics import ServiceMetrics
 
+    if client is None:  # the real Jobs API: `code` tenants only where their jobs cannot reach the service
+        check_code_tenants(tokens.tenants_with_role("code"), settings.ray_dashboard_url, jobs_headers(settings))
     _state["manager"] = mgr = JobManager(settings, client)
     _state["tokens"] = tokens
     _state["metrics"] = metrics = ServiceMetrics()

@@ -86,6 +86,9 @@ class Tokens:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    def tenants_with_role(self, role: str) -> list[str]:
+        return sorted({p.tenant for p in self._by_hash.values() if p.role == role})
+
 
 class TokenConfigError(Exception):
     pass

@@ -35,6 +35,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cluster.storage import default_root
     from service.app import JobService
     from service.auth import TokenConfigError, bootstrap_admin, load_tokens
+    from service.isolation import IsolationError, check_code_tenants
+    from service.jobs import jobs_headers
     from service.store import Store
     from trainers.launch import ensure_ray
 
@@ -57,6 +59,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         entries, printed = bootstrap_admin(state)
         state.close()
     settings.ray_dashboard_url = settings.ray_dashboard_url or _dashboard_url()
+    try:
+        check_code_tenants({e.tenant for e in entries if e.role == "code"}, settings.ray_dashboard_url,
+                           jobs_headers(settings))
+    except (IsolationError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if started_ray:
+            ray.shutdown()
+        return 2
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(JobService.bind(settings.model_dump(), [e.model_dump(exclude={"token"}) for e in entries]),
               name="etrain", route_prefix="/", blocking=False)
@@ -321,10 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Deploys the HTTP service. Tokens: --tokens FILE or $ETRAIN_TOKENS, a JSON/YAML list of "
                     "{tenant, role: admin|user|code, sha256: <hex of the token>}; with none, an admin token is "
                     "made and printed once. Roles: admin (everything, every tenant), code (its own code: "
-                    "train_loop, any factory; trusted within the cluster), user (built-in workloads, factories "
+                    "train_loop, any factory; trusted within the jobs cluster, and served only when --dashboard-url "
+                    "names a jobs cluster apart from the service's own Ray), user (built-in workloads, factories "
                     "from --config's factory_modules, data under its own storage prefix or tenant_data_uris). "
                     "--config FILE sets the rest (YAML): factory_modules, tenant_data_uris, tenant_env, "
-                    "tenant_quotas, max_sweep_trials, entrypoint_resources, max_body_bytes.", epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                    "tenant_quotas, max_sweep_trials, entrypoint_resources, max_body_bytes, jobs_token_file (the jobs "
+                    "cluster's own Ray token).", epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve_p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve_p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve_p.add_argument("--storage-root", help="where records, specs and jobs live (default: $ETRAIN_STORAGE_ROOT "
@@ -338,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "max_concurrent_trials (default 4)")
     serve_p.add_argument("--stop-wait-s", type=float,
                          help="graceful stop: seconds to wait for the final checkpoint before Ray's stop (default 120)")
-    serve_p.add_argument("--dashboard-url", help="Ray Jobs API URL (default: the connected cluster's dashboard)")
+    serve_p.add_argument("--dashboard-url", help="Ray Jobs API URL of the cluster jobs run on (default: the connected cluster's "
+                                                  "dashboard; `code` tenants need a cluster apart from the service's)")
     serve_p.add_argument("--cpus", type=int, default=4, help="logical CPUs of a local Ray this starts (default 4)")
     serve_p.add_argument("--detach", action="store_true", help="deploy and exit (needs a running cluster)")
     serve_p.set_defaults(fn=cmd_serve)

@@ -84,6 +84,9 @@ class ServiceSettings(BaseModel):
                                           "IAM to its prefix); the service's own secrets never reach a job")
     stop_wait_s: float = Field(120.0, gt=0, description="graceful stop: wait this long for the final checkpoint")
     reconcile_interval_s: float = Field(5.0, gt=0)
+    jobs_token_file: str | None = Field(
+        None, description="the jobs cluster's Ray token, in a file only the service reads: for a jobs cluster apart "
+                          "from the service's own Ray (as `code` tenants need), with a token of its own")
     entrypoint_resources: dict[str, float] = Field(
         default_factory=dict, description="Ray resources a job's driver needs, e.g. {'head': 1} to keep drivers "
                                           "on the on-demand head node, never on a spot worker")
@@ -99,6 +102,21 @@ class ServiceSettings(BaseModel):
             raise ValueError(f"max_sweep_trials: unknown roles {sorted(unknown)}: use {', '.join(ROLES)}")
         self.max_sweep_trials = {**SWEEP_TRIALS, **self.max_sweep_trials}
         return self
+
+
+def jobs_headers(settings: ServiceSettings) -> dict[str, str]:
+    """The Authorization header for the jobs cluster, when it has a token of its own."""
+    if not settings.jobs_token_file:
+        return {}
+    path = os.path.expanduser(settings.jobs_token_file)
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"jobs_token_file {settings.jobs_token_file!r}: cannot read it ({exc.strerror}): give the "
+                         "file holding the jobs cluster's Ray token (`ray get-auth-token` on its head)") from None
+    if not token:
+        raise ValueError(f"jobs_token_file {settings.jobs_token_file!r} is empty: put the jobs cluster's Ray token in it")
+    return {"Authorization": f"Bearer {token}"}
 
 
 class QuotaExceeded(Exception):
@@ -210,7 +228,7 @@ class JobManager:
         self.settings = settings
         self.root = open_root(settings.storage_root)
         self.store = Store(settings.state_dir)
-        self.client = client or JobSubmissionClient(settings.ray_dashboard_url)
+        self.client = client or JobSubmissionClient(settings.ray_dashboard_url, headers=jobs_headers(settings))
         self._lock = threading.RLock()
         self.on_reconciled = None  # called with every record after each pass (the service's gauges)
         self.on_reconcile_error = None  # called with the kind of each failed step (the service's counter)

@@ -1,0 +1,234 @@
+"""A `code` tenant's own code against the service's state (issue 13), deployed as it must be:
+the service runs on a Ray of its own (token auth on, this test's Unix user, its state in a
+folder only that user reads); jobs run on a jobs cluster apart, a Ray started by another Unix
+user (`nobody`) with a token of its own, as another machine would be. Storage is S3 (moto).
+
+The attacker's train loop is told nothing: it searches every folder it may read for records
+and token hashes, reads every process's environment for a secret of the service's, and joins
+every Ray whose GCS runs on this box to run a task there. Nothing of the service's is found,
+its Ray refuses the attacker, a restart reads the state back unchanged, and the service
+refuses to start when a `code` tenant's jobs would run on its own cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from conftest import REPO, free_port, start_local_ray
+from processes import stop_session
+from waiting import wait_for
+
+pytestmark = pytest.mark.ray
+
+NOBODY = 65534
+BUCKET = "etrain-code-tenant"
+MARKER = f"svc-secret-{secrets.token_hex(8)}"  # in the service's environment only
+TOKENS = {"mallory": ("crew-m", "code"), "bob": ("team-b", "user"), "root": ("ops", "admin")}
+
+
+def token_of(who: str) -> str:
+    return f"ct-{who}-0123456789abcdef"
+
+
+def as_nobody(*argv: str) -> list[str]:
+    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
+
+
+def jobs_python() -> Path:
+    """A Python another user may run, with Ray and torch: this venv if `nobody` can use it,
+    else the rehearsal's node image (built once, cached)."""
+    probe = subprocess.run(as_nobody(sys.executable, "-c", "import ray, torch"), capture_output=True,
+                           env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+    if probe.returncode == 0:
+        return Path(sys.executable)
+    from cluster.rehearsal.cloud import build_image
+
+    return build_image() / "bin" / "python"
+
+
+def readable_code(base: Path) -> Path:
+    """The project and the tests' user code where `nobody` may read them (pytest's tmp is 0700)."""
+    code = base / "code"
+    skip = shutil.ignore_patterns("__pycache__")
+    for name in ("cluster", "service", "trainers", "configs"):
+        shutil.copytree(REPO / name, code / name, ignore=skip)
+    shutil.copytree(REPO / "tests" / "fixtures", code / "fixtures", ignore=skip)
+    subprocess.run(["chmod", "-R", "a+rX", str(base)], check=True)
+    return code
+
+
+@pytest.fixture(scope="module")
+def split(s3_server, tmp_path_factory):
+    import boto3
+    import ray
+    from ray import serve
+
+    from service.auth import TokenEntry
+    from service.jobs import ServiceSettings
+
+    if os.geteuid() != 0:
+        pytest.fail("this test starts a Ray as another Unix user, which needs root (CI runs as root)")
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=BUCKET)
+    work = tmp_path_factory.mktemp("code-tenant")  # 0700 under pytest's root-only folder
+    base = Path(tempfile.mkdtemp(prefix="etrj-", dir="/var/tmp"))
+    base.chmod(0o755)
+    temp = Path(tempfile.mkdtemp(prefix="etrj-", dir="/tmp"))  # short: Ray's socket paths must fit
+    home = base / "home"
+    home.mkdir()
+    for path in (temp, home):
+        os.chown(path, NOBODY, NOBODY)
+    code, python = readable_code(base), jobs_python()
+    jobs_token = secrets.token_hex(16)
+    (work / "jobs_token").write_text(jobs_token)
+    gcs_port, dash_port = free_port(), free_port()
+    env = {"HOME": str(home), "PATH": f"{python.parent}:/usr/bin:/bin", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN": jobs_token, "AWS_ENDPOINT_URL": s3_server, "AWS_REGION": "us-east-1",
+           "AWS_DEFAULT_REGION": "us-east-1", "RAY_USAGE_STATS_ENABLED": "0", "LANG": "C.UTF-8"}
+    jobs = subprocess.Popen(
+        as_nobody(str(python.parent / "ray"), "start", "--head", "--block", f"--port={gcs_port}",
+                  "--node-ip-address=127.0.0.1", "--num-cpus=2", "--dashboard-host=127.0.0.1",
+                  f"--dashboard-port={dash_port}", f"--dashboard-agent-listen-port={free_port()}",
+                  f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
+                  f"--runtime-env-agent-port={free_port()}", f"--ray-client-server-port={free_port()}",
+                  f"--temp-dir={temp}"),
+        env=env, cwd=str(home), stdout=open(work / "jobs-ray.log", "w"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "ETRAIN_SERVICE_PASSWORD")}
+    svc = None
+    try:
+        jobs_url = f"http://127.0.0.1:{dash_port}"
+        headers = {"Authorization": f"Bearer {jobs_token}"}
+        wait_for(lambda: _answers(jobs_url, headers) or (jobs.poll() is not None and pytest.fail(
+            f"the jobs cluster exited: {(work / 'jobs-ray.log').read_text()[-3000:]}")), 180,
+            "the jobs cluster's Jobs API", poll_s=1)
+        if ray.is_initialized():
+            ray.shutdown()  # the shared local Ray has no token; the next module that needs it starts it again
+        os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+                           "ETRAIN_SERVICE_PASSWORD": MARKER})
+        start_local_ray()
+        tenant_env = {t: {"AWS_ACCESS_KEY_ID": f"{t}-own-key", "AWS_SECRET_ACCESS_KEY": f"{t}-own-secret",
+                          "PYTHONPATH": f"{code}:{code / 'fixtures'}"} for t, _ in TOKENS.values()}
+        settings = ServiceSettings(storage_root=f"s3://{BUCKET}/root", state_dir=str(work / "state"),
+                                   ray_dashboard_url=jobs_url, jobs_token_file=str(work / "jobs_token"),
+                                   python=str(python), reconcile_interval_s=1, tenant_env=tenant_env)
+        tokens = [TokenEntry(tenant=t, role=r, token=token_of(w)).model_dump(exclude={"token"})
+                  for w, (t, r) in TOKENS.items()]
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        svc = SimpleNamespace(url=f"http://127.0.0.1:{port}", settings=settings, tokens=tokens, work=work,
+                              jobs_url=jobs_url, gcs=ray.get_runtime_context().gcs_address)
+        deploy(svc)
+        yield svc
+    finally:
+        if svc is not None:
+            from ray import serve as _serve
+
+            _serve.shutdown()
+        if ray.is_initialized():
+            ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        left = stop_session(jobs.pid)
+        jobs.wait(timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+        assert not left, f"processes of the jobs cluster still run: {left}"
+
+
+def _answers(url: str, headers: dict) -> bool:
+    try:
+        return requests.get(f"{url}/api/jobs/", headers=headers, timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def deploy(svc) -> None:
+    from ray import serve
+
+    from service.app import JobService
+
+    serve.run(JobService.bind(svc.settings.model_dump(), svc.tokens), name="etrain", route_prefix="/")
+
+
+def api(svc, method: str, path: str, who: str, **kw) -> requests.Response:
+    return requests.request(method, svc.url + path, headers={"Authorization": f"Bearer {token_of(who)}"},
+                            timeout=60, **kw)
+
+
+def wait_done(svc, job_id: str, who: str) -> dict:
+    def done():
+        r = api(svc, "GET", f"/v1/jobs/{job_id}", who).json()
+        return r if r["state"] in ("SUCCEEDED", "FAILED", "STOPPED") else None
+
+    return wait_for(done, 300, f"job {job_id} to finish", poll_s=1)
+
+
+def test_a_code_tenants_job_reaches_nothing_of_the_service(split):
+    victim = api(split, "POST", "/v1/jobs", "bob", json={
+        "name": "victim", "training": {"batch_size": 32, "max_steps": 5, "log_interval_steps": 5},
+        "distributed": {"num_workers": 1}, "model": {"hidden_size": 16}, "checkpoint": {"interval": 5}})
+    assert victim.status_code == 201, victim.text
+    attack = api(split, "POST", "/v1/jobs", "mallory", json={
+        "name": "attack", "distributed": {"num_workers": 1}, "train_loop": "attacker:tamper",
+        "model": {"options": {"marker": MARKER, "join": True}}})
+    assert attack.status_code == 201, attack.text
+    vid, aid = victim.json()["id"], attack.json()["id"]
+    finished = wait_done(split, aid, "mallory")
+    assert finished["state"] == "SUCCEEDED", (finished, api(split, "GET", f"/v1/jobs/{aid}/logs", "mallory").text[-3000:])
+    assert wait_done(split, vid, "bob")["state"] == "SUCCEEDED"
+
+    from cluster.storage import open_root
+
+    report = open_root(split.settings.storage_root).read_json("tenants", "crew-m", aid, "attack.json")
+    assert report["uid"] == NOBODY, "the job ran as the jobs cluster's user"
+    assert report["found"] == [] and report["changed"] == [], report["found"]  # no record, no token within reach
+    assert any(str(split.work).startswith(d) for d in report["denied"]), "it looked where the state is, and was denied"
+    assert report["environ_leaks"] == [] and report["environ_denied"] > 0, "the service's environment is not readable"
+    assert not any(MARKER in v for v in report["env"].values())
+    env = report["env"]  # the tenant's own keys, not the service's
+    assert env["AWS_ACCESS_KEY_ID"] == "crew-m-own-key" and env["AWS_SECRET_ACCESS_KEY"] == "crew-m-own-secret"
+    service_port = split.gcs.rsplit(":", 1)[1]
+    joined = report["joined"]
+    assert service_port in joined and str(joined[service_port]).startswith("refused"), joined
+    assert "uthentication" in joined[service_port] or "token" in joined[service_port].lower(), joined
+    assert NOBODY in joined.values(), "its own jobs cluster takes it (trusted within the jobs cluster)"
+    assert 0 not in joined.values() and os.getuid() not in joined.values(), "no task ran as the service's user"
+
+    from ray import serve
+
+    serve.delete("etrain")  # a restart reads the state back: unchanged
+    deploy(split)
+    after = wait_for(lambda: api(split, "GET", f"/v1/jobs/{vid}", "root"), 120, "the restarted service")
+    assert after.status_code == 200 and after.json()["tenant"] == "team-b"
+    assert api(split, "GET", f"/v1/jobs/{vid}", "mallory").status_code == 404
+    assert {j["tenant"] for j in api(split, "GET", "/v1/jobs", "mallory").json()["items"]} == {"crew-m"}  # no admin
+
+
+def test_the_service_refuses_code_tenants_on_its_own_cluster(split):
+    from cluster.ray_adapter import dashboard_url
+    from service.app import configure
+    from service.auth import TokenEntry, Tokens
+    from service.isolation import IsolationError
+
+    own = split.settings.model_copy(update={"ray_dashboard_url": dashboard_url(), "jobs_token_file": None,
+                                            "state_dir": str(split.work / "state-own")})
+    tokens = Tokens([TokenEntry(tenant="crew-m", role="code", token=token_of("mallory"))])
+    with pytest.raises(IsolationError, match=r"tenant\(s\) crew-m have role 'code'.*is the service's own Ray.*"
+                                             r"jobs_token_file"):
+        configure(own, tokens)
+    # the jobs cluster apart passes the same check
+    stop = configure(split.settings, tokens)
+    stop.set()
