@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -44,12 +45,18 @@ def as_nobody(*argv: str) -> list[str]:
     return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
 
 
+def others_may_run(path: str) -> bool:
+    """Whether a user with no rights of ours may run ``path``: every folder on the way and the
+    file itself are open to others (a probe run as that user can succeed through caches
+    and still leave Ray's own child processes denied)."""
+    real = Path(os.path.realpath(path))
+    return all(p.stat().st_mode & stat.S_IXOTH for p in [real, *real.parents])
+
+
 def jobs_python() -> Path:
-    """A Python another user may run, with Ray and torch: this venv if `nobody` can use it,
+    """A Python another user may run, with Ray and torch: this venv if `nobody` can run it,
     else the rehearsal's node image (built once, cached)."""
-    probe = subprocess.run(as_nobody(sys.executable, "-c", "import ray, torch"), capture_output=True,
-                           env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
-    if probe.returncode == 0:
+    if others_may_run(sys.executable):
         return Path(sys.executable)
     from cluster.rehearsal.cloud import build_image
 
