@@ -24,6 +24,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def service_state_outside_home(tmp_path_factory):
+    """A service made by a test without a state_dir keeps its records in a session folder,
+    never in this machine's ~/.etrain/service (runs would pile up records and quotas there)."""
+    saved = os.environ.get("ETRAIN_STATE_DIR")
+    os.environ["ETRAIN_STATE_DIR"] = str(tmp_path_factory.mktemp("service-state"))
+    yield
+    if saved is None:
+        os.environ.pop("ETRAIN_STATE_DIR", None)
+    else:
+        os.environ["ETRAIN_STATE_DIR"] = saved
+
+
 @pytest.fixture
 def storage(tmp_path: Path) -> Path:
     root = tmp_path / "storage"

@@ -67,7 +67,8 @@ class FakeDashboard:
 
 
 def manager(tmp_path, client, **settings) -> JobManager:
-    return JobManager(ServiceSettings(storage_root=str(tmp_path), ray_dashboard_url="http://127.0.0.1:1",
+    return JobManager(ServiceSettings(storage_root=str(tmp_path), state_dir=str(tmp_path.parent / f"{tmp_path.name}-state"),
+                                      ray_dashboard_url="http://127.0.0.1:1",
                                       **{"reconcile_interval_s": 0.05, **settings}), client)
 
 
@@ -204,7 +205,8 @@ def test_a_reconciler_that_meets_a_connection_error_at_start_keeps_running(tmp_p
 
     client = FakeClient()
     client.errors["get_job_status"] = [ConnectionError("Failed to connect to Ray at address: http://127.0.0.1:8265.")]
-    settings = ServiceSettings(storage_root=str(tmp_path), ray_dashboard_url="http://127.0.0.1:1",
+    settings = ServiceSettings(storage_root=str(tmp_path), state_dir=str(tmp_path.parent / f"{tmp_path.name}-state"),
+                               ray_dashboard_url="http://127.0.0.1:1",
                                reconcile_interval_s=0.05)
     running_record(JobManager(settings, client))
     stop = app.configure(settings, Tokens([]), client=client)
