@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -24,9 +25,10 @@ from types import SimpleNamespace
 
 import pytest
 import requests
+import yaml
 
-from conftest import REPO, free_port, start_local_ray
-from processes import stop_session
+from conftest import REPO, free_port
+from processes import session_pids, stop_session
 from waiting import wait_for
 
 pytestmark = pytest.mark.ray
@@ -74,17 +76,72 @@ def readable_code(base: Path) -> Path:
     return code
 
 
+class Service:
+    """`etrain serve` in a process of its own, as an operator runs it: its own Ray (started by
+    the command, token auth on), its state folder, its secret in its environment."""
+
+    def __init__(self, work: Path, args: list[str], s3_url: str):
+        self.work, self.args, self.port = work, args, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tmp = Path(tempfile.mkdtemp(prefix="etrs-", dir="/tmp"))  # its Ray's files; short socket paths
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        self.env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "TMPDIR": str(self.tmp),
+                         "ETRAIN_SERVICE_PASSWORD": MARKER, "AWS_ENDPOINT_URL": s3_url,
+                         "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])})
+        self.proc = None
+
+    def run(self, *extra: str, wait: bool = True) -> subprocess.Popen:
+        log = open(self.work / f"serve-{self.port}.log", "a")
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
+                                      "--port", str(self.port), "--cpus", "2", *self.args, *extra],
+                                     env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if wait:
+            wait_for(lambda: self._up() or (self.proc.poll() is not None and pytest.fail(
+                f"etrain serve exited: {self.log()[-3000:]}")), 240, "the service", poll_s=1)
+        return self.proc
+
+    def _up(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/healthz", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def log(self) -> str:
+        return (self.work / f"serve-{self.port}.log").read_text()
+
+    def gcs_port(self) -> str:
+        """Its Ray's GCS port, from the GCS process's command line (as anyone on the box can read it)."""
+        for pid in session_pids(self.proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            except OSError:
+                continue
+            if argv and os.path.basename(argv[0]) == "gcs_server":
+                return next(a.split("=", 1)[1] for a in argv if a.startswith("--gcs_server_port="))
+        raise AssertionError("the service's Ray has no GCS process")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # `etrain serve` shuts Serve and its Ray down
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc is not None:
+            left = stop_session(self.proc.pid)
+            self.proc.wait(timeout=30)
+            assert not left, f"processes of the service still run: {left}"
+
+
 @pytest.fixture(scope="module")
 def split(s3_server, tmp_path_factory):
     import boto3
     import ray
-    from ray import serve
-
-    from service.auth import TokenEntry
-    from service.jobs import ServiceSettings
 
     if os.geteuid() != 0:
         pytest.fail("this test starts a Ray as another Unix user, which needs root (CI runs as root)")
+    if ray.is_initialized():
+        ray.shutdown()  # the shared local Ray holds Ray's default agent ports; the next module starts it again
     boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=BUCKET)
     work = tmp_path_factory.mktemp("code-tenant")  # 0700 under pytest's root-only folder
     base = Path(tempfile.mkdtemp(prefix="etrj-", dir="/var/tmp"))
@@ -110,44 +167,35 @@ def split(s3_server, tmp_path_factory):
                   f"--temp-dir={temp}"),
         env=env, cwd=str(home), stdout=open(work / "jobs-ray.log", "w"), stderr=subprocess.STDOUT,
         start_new_session=True)
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "ETRAIN_SERVICE_PASSWORD")}
-    svc = None
+    services: list[Service] = []
     try:
         jobs_url = f"http://127.0.0.1:{dash_port}"
-        headers = {"Authorization": f"Bearer {jobs_token}"}
-        wait_for(lambda: _answers(jobs_url, headers) or (jobs.poll() is not None and pytest.fail(
-            f"the jobs cluster exited: {(work / 'jobs-ray.log').read_text()[-3000:]}")), 180,
-            "the jobs cluster's Jobs API", poll_s=1)
-        if ray.is_initialized():
-            ray.shutdown()  # the shared local Ray has no token; the next module that needs it starts it again
-        os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-                           "ETRAIN_SERVICE_PASSWORD": MARKER})
-        start_local_ray()
+        wait_for(lambda: _answers(jobs_url, {"Authorization": f"Bearer {jobs_token}"}) or (
+            jobs.poll() is not None and pytest.fail(f"the jobs cluster exited: {(work / 'jobs-ray.log').read_text()[-3000:]}")),
+            180, "the jobs cluster's Jobs API", poll_s=1)
         tenant_env = {t: {"AWS_ACCESS_KEY_ID": f"{t}-own-key", "AWS_SECRET_ACCESS_KEY": f"{t}-own-secret",
                           "PYTHONPATH": f"{code}:{code / 'fixtures'}"} for t, _ in TOKENS.values()}
-        settings = ServiceSettings(storage_root=f"s3://{BUCKET}/root", state_dir=str(work / "state"),
-                                   ray_dashboard_url=jobs_url, jobs_token_file=str(work / "jobs_token"),
-                                   python=str(python), reconcile_interval_s=1, tenant_env=tenant_env)
-        tokens = [TokenEntry(tenant=t, role=r, token=token_of(w)).model_dump(exclude={"token"})
-                  for w, (t, r) in TOKENS.items()]
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        svc = SimpleNamespace(url=f"http://127.0.0.1:{port}", settings=settings, tokens=tokens, work=work,
-                              jobs_url=jobs_url, gcs=ray.get_runtime_context().gcs_address)
-        deploy(svc)
-        yield svc
-    finally:
-        if svc is not None:
-            from ray import serve as _serve
+        (work / "config.yaml").write_text(yaml.safe_dump({
+            "jobs_token_file": str(work / "jobs_token"), "python": str(python), "reconcile_interval_s": 1,
+            "tenant_env": tenant_env}))
+        from service.auth import hash_token
 
-            _serve.shutdown()
-        if ray.is_initialized():
-            ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        (work / "tokens.yaml").write_text(yaml.safe_dump([{"tenant": t, "role": r, "sha256": hash_token(token_of(w))}
+                                                          for w, (t, r) in TOKENS.items()]))
+        args = ["--storage-root", f"s3://{BUCKET}/root", "--state-dir", str(work / "state"),
+                "--tokens", str(work / "tokens.yaml"), "--config", str(work / "config.yaml")]
+
+        def service(*extra: str, wait: bool = True) -> Service:
+            svc = Service(work, [*args, *extra], s3_server)
+            services.append(svc)
+            svc.run(wait=wait)
+            return svc
+
+        yield SimpleNamespace(work=work, jobs_url=jobs_url, service=service)
+    finally:
+        for svc in services:
+            svc.stop()
+            shutil.rmtree(svc.tmp, ignore_errors=True)
         left = stop_session(jobs.pid)
         jobs.wait(timeout=30)
         shutil.rmtree(temp, ignore_errors=True)
@@ -160,14 +208,6 @@ def _answers(url: str, headers: dict) -> bool:
         return requests.get(f"{url}/api/jobs/", headers=headers, timeout=5).status_code == 200
     except requests.RequestException:
         return False
-
-
-def deploy(svc) -> None:
-    from ray import serve
-
-    from service.app import JobService
-
-    serve.run(JobService.bind(svc.settings.model_dump(), svc.tokens), name="etrain", route_prefix="/")
 
 
 def api(svc, method: str, path: str, who: str, **kw) -> requests.Response:
@@ -184,22 +224,23 @@ def wait_done(svc, job_id: str, who: str) -> dict:
 
 
 def test_a_code_tenants_job_reaches_nothing_of_the_service(split):
-    victim = api(split, "POST", "/v1/jobs", "bob", json={
+    svc = split.service("--dashboard-url", split.jobs_url)
+    victim = api(svc, "POST", "/v1/jobs", "bob", json={
         "name": "victim", "training": {"batch_size": 32, "max_steps": 5, "log_interval_steps": 5},
         "distributed": {"num_workers": 1}, "model": {"hidden_size": 16}, "checkpoint": {"interval": 5}})
     assert victim.status_code == 201, victim.text
-    attack = api(split, "POST", "/v1/jobs", "mallory", json={
+    attack = api(svc, "POST", "/v1/jobs", "mallory", json={
         "name": "attack", "distributed": {"num_workers": 1}, "train_loop": "attacker:tamper",
         "model": {"options": {"marker": MARKER, "join": True}}})
     assert attack.status_code == 201, attack.text
     vid, aid = victim.json()["id"], attack.json()["id"]
-    finished = wait_done(split, aid, "mallory")
-    assert finished["state"] == "SUCCEEDED", (finished, api(split, "GET", f"/v1/jobs/{aid}/logs", "mallory").text[-3000:])
-    assert wait_done(split, vid, "bob")["state"] == "SUCCEEDED"
+    finished = wait_done(svc, aid, "mallory")
+    assert finished["state"] == "SUCCEEDED", (finished, api(svc, "GET", f"/v1/jobs/{aid}/logs", "mallory").text[-3000:])
+    assert wait_done(svc, vid, "bob")["state"] == "SUCCEEDED"
 
     from cluster.storage import open_root
 
-    report = open_root(split.settings.storage_root).read_json("tenants", "crew-m", aid, "attack.json")
+    report = open_root(f"s3://{BUCKET}/root").read_json("tenants", "crew-m", aid, "attack.json")
     assert report["uid"] == NOBODY, "the job ran as the jobs cluster's user"
     assert report["found"] == [] and report["changed"] == [], report["found"]  # no record, no token within reach
     assert any(str(split.work).startswith(d) for d in report["denied"]), "it looked where the state is, and was denied"
@@ -207,35 +248,22 @@ def test_a_code_tenants_job_reaches_nothing_of_the_service(split):
     assert not any(MARKER in v for v in report["env"].values())
     env = report["env"]  # the tenant's own keys, not the service's
     assert env["AWS_ACCESS_KEY_ID"] == "crew-m-own-key" and env["AWS_SECRET_ACCESS_KEY"] == "crew-m-own-secret"
-    service_port = split.gcs.rsplit(":", 1)[1]
-    joined = report["joined"]
+    joined, service_port = report["joined"], svc.gcs_port()
     assert service_port in joined and str(joined[service_port]).startswith("refused"), joined
     assert "uthentication" in joined[service_port] or "token" in joined[service_port].lower(), joined
     assert NOBODY in joined.values(), "its own jobs cluster takes it (trusted within the jobs cluster)"
-    assert 0 not in joined.values() and os.getuid() not in joined.values(), "no task ran as the service's user"
+    assert 0 not in joined.values(), "no task ran as the service's user"
 
-    from ray import serve
-
-    serve.delete("etrain")  # a restart reads the state back: unchanged
-    deploy(split)
-    after = wait_for(lambda: api(split, "GET", f"/v1/jobs/{vid}", "root"), 120, "the restarted service")
+    svc.stop()  # a restart reads the state back: unchanged
+    svc.run()
+    after = api(svc, "GET", f"/v1/jobs/{vid}", "root")
     assert after.status_code == 200 and after.json()["tenant"] == "team-b"
-    assert api(split, "GET", f"/v1/jobs/{vid}", "mallory").status_code == 404
-    assert {j["tenant"] for j in api(split, "GET", "/v1/jobs", "mallory").json()["items"]} == {"crew-m"}  # no admin
+    assert api(svc, "GET", f"/v1/jobs/{vid}", "mallory").status_code == 404
+    assert {j["tenant"] for j in api(svc, "GET", "/v1/jobs", "mallory").json()["items"]} == {"crew-m"}  # no admin
 
 
 def test_the_service_refuses_code_tenants_on_its_own_cluster(split):
-    from cluster.ray_adapter import dashboard_url
-    from service.app import configure
-    from service.auth import TokenEntry, Tokens
-    from service.isolation import IsolationError
-
-    own = split.settings.model_copy(update={"ray_dashboard_url": dashboard_url(), "jobs_token_file": None,
-                                            "state_dir": str(split.work / "state-own")})
-    tokens = Tokens([TokenEntry(tenant="crew-m", role="code", token=token_of("mallory"))])
-    with pytest.raises(IsolationError, match=r"tenant\(s\) crew-m have role 'code'.*is the service's own Ray.*"
-                                             r"jobs_token_file"):
-        configure(own, tokens)
-    # the jobs cluster apart passes the same check
-    stop = configure(split.settings, tokens)
-    stop.set()
+    svc = split.service(wait=False)  # no --dashboard-url: jobs would run on the service's own Ray
+    assert svc.proc.wait(timeout=240) == 2, svc.log()[-3000:]
+    assert "error: tenant(s) crew-m have role 'code'" in svc.log() and "is the service's own Ray" in svc.log()
+    assert "jobs_token_file" in svc.log()
