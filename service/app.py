@@ -335,12 +335,23 @@ def ui_job_data(record_id: str, request: Request) -> JSONResponse:
     return JSONResponse(web.job_data(*ui_parts(record)), headers=web.HEADERS)
 
 
+def own_dashboard_url() -> str | None:
+    """The dashboard of the Ray this replica runs in; None when Ray does not say."""
+    from cluster.ray_adapter import dashboard_url
+
+    try:
+        return dashboard_url()
+    except Exception:  # boundary: Ray's internals; the node-id comparison still decides
+        return None
+
+
 def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threading.Event:
     """Set this process's manager and start the reconciler (at once, then every interval)."""
     from cluster.metrics import ServiceMetrics
 
     if client is None:  # the real Jobs API: `code` tenants only where their jobs cannot reach the service
-        check_code_tenants(tokens.tenants_with_role("code"), settings.ray_dashboard_url, jobs_headers(settings))
+        check_code_tenants(tokens.tenants_with_role("code"), settings.ray_dashboard_url, jobs_headers(settings),
+                           own_url=own_dashboard_url())
     _state["manager"] = mgr = JobManager(settings, client)
     _state["tokens"] = tokens
     _state["metrics"] = metrics = ServiceMetrics()

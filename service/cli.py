@@ -61,7 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings.ray_dashboard_url = settings.ray_dashboard_url or _dashboard_url()
     try:
         check_code_tenants({e.tenant for e in entries if e.role == "code"}, settings.ray_dashboard_url,
-                           jobs_headers(settings))
+                           jobs_headers(settings), own_url=_dashboard_url())
     except (IsolationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         if started_ray:

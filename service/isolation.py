@@ -55,14 +55,30 @@ def jobs_node_ids(url: str, headers: dict[str, str], timeout_s: float = 30.0) ->
     return [n["node_id"] if isinstance(n, dict) else n.node_id for n in nodes]
 
 
-def check_code_tenants(code_tenants: Iterable[str], jobs_url: str, headers: dict[str, str]) -> None:
-    """Raise IsolationError when `code` tenants would run on the service's own cluster."""
+def same_address(a: str, b: str) -> bool:
+    """Whether two dashboard URLs name the same host and port (loopback names alike)."""
+    def norm(url: str) -> str:
+        host_port = url.split("://", 1)[-1].rstrip("/")
+        for name in ("localhost", "0.0.0.0"):
+            host_port = host_port.replace(name, "127.0.0.1", 1) if host_port.startswith(name) else host_port
+        return host_port
+    return norm(a) == norm(b)
+
+
+def check_code_tenants(code_tenants: Iterable[str], jobs_url: str, headers: dict[str, str],
+                       own_url: str | None = None) -> None:
+    """Raise IsolationError when `code` tenants would run on the service's own cluster.
+
+    ``own_url`` is the service's own dashboard: the same address needs no listing (the jobs
+    cluster's token would not list the service's own nodes anyway).
+    """
     tenants = list(code_tenants)
     if not tenants:
         return
     import ray
 
-    problem = code_tenants_problem(tenants, ray.get_runtime_context().get_node_id(), jobs_node_ids(jobs_url, headers),
-                                   jobs_url)
+    own_node = ray.get_runtime_context().get_node_id()
+    nodes = [own_node] if own_url and same_address(own_url, jobs_url) else jobs_node_ids(jobs_url, headers)
+    problem = code_tenants_problem(tenants, own_node, nodes, jobs_url)
     if problem:
         raise IsolationError(problem)

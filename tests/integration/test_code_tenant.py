@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import requests
 import yaml
 
 from conftest import REPO, free_port
-from processes import session_pids, stop_session
+from processes import stop_session
 from waiting import wait_for
 
 pytestmark = pytest.mark.ray
@@ -77,23 +78,47 @@ def readable_code(base: Path) -> Path:
 
 
 class Service:
-    """`etrain serve` in a process of its own, as an operator runs it: its own Ray (started by
-    the command, token auth on), its state folder, its secret in its environment."""
+    """The service as an operator deploys it on its own node: `ray start --head --port=...` with
+    token auth, then `etrain serve` on that Ray, with its state folder and a secret in its
+    environment. Restarting the service restarts `etrain serve`; its Ray stays up."""
 
     def __init__(self, work: Path, args: list[str], s3_url: str):
-        self.work, self.args, self.port = work, args, free_port()
+        self.work, self.args, self.port, self.gcs = work, args, free_port(), str(free_port())
         self.url = f"http://127.0.0.1:{self.port}"
         self.tmp = Path(tempfile.mkdtemp(prefix="etrs-", dir="/tmp"))  # its Ray's files; short socket paths
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         self.env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "TMPDIR": str(self.tmp),
                          "ETRAIN_SERVICE_PASSWORD": MARKER, "AWS_ENDPOINT_URL": s3_url,
                          "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])})
+        self.ray = subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={self.gcs}",
+             "--node-ip-address=127.0.0.1", "--num-cpus=2", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+             f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
+             f"--runtime-env-agent-port={free_port()}", f"--ray-client-server-port={free_port()}",
+             f"--temp-dir={self.tmp}"],
+            env=self.env, stdout=open(work / f"service-ray-{self.port}.log", "w"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self.env["RAY_ADDRESS"] = f"127.0.0.1:{self.gcs}"
         self.proc = None
+
+    def wait_ray(self) -> None:
+        wait_for(lambda: self._listens(int(self.gcs)) or (self.ray.poll() is not None and pytest.fail(
+            f"the service's Ray exited: {(self.work / f'service-ray-{self.port}.log').read_text()[-3000:]}")), 120,
+            "the service's Ray", poll_s=1)
+
+    @staticmethod
+    def _listens(port: int) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            return False
 
     def run(self, *extra: str, wait: bool = True) -> subprocess.Popen:
         log = open(self.work / f"serve-{self.port}.log", "a")
         self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
-                                      "--port", str(self.port), "--cpus", "2", *self.args, *extra],
+                                      "--port", str(self.port), *self.args, *extra],
                                      env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         if wait:
             wait_for(lambda: self._up() or (self.proc.poll() is not None and pytest.fail(
@@ -109,20 +134,9 @@ class Service:
     def log(self) -> str:
         return (self.work / f"serve-{self.port}.log").read_text()
 
-    def gcs_port(self) -> str:
-        """Its Ray's GCS port, from the GCS process's command line (as anyone on the box can read it)."""
-        for pid in session_pids(self.proc.pid):
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            except OSError:
-                continue
-            if argv and os.path.basename(argv[0]) == "gcs_server":
-                return next(a.split("=", 1)[1] for a in argv if a.startswith("--gcs_server_port="))
-        raise AssertionError("the service's Ray has no GCS process")
-
-    def stop(self) -> None:
+    def stop_serve(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # `etrain serve` shuts Serve and its Ray down
+            self.proc.send_signal(signal.SIGINT)  # `etrain serve` shuts Serve down, not the Ray it joined
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -130,7 +144,13 @@ class Service:
         if self.proc is not None:
             left = stop_session(self.proc.pid)
             self.proc.wait(timeout=30)
-            assert not left, f"processes of the service still run: {left}"
+            assert not left, f"processes of etrain serve still run: {left}"
+
+    def stop(self) -> None:
+        self.stop_serve()
+        left = stop_session(self.ray.pid)
+        self.ray.wait(timeout=30)
+        assert not left, f"processes of the service's Ray still run: {left}"
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +208,7 @@ def split(s3_server, tmp_path_factory):
         def service(*extra: str, wait: bool = True) -> Service:
             svc = Service(work, [*args, *extra], s3_server)
             services.append(svc)
+            svc.wait_ray()
             svc.run(wait=wait)
             return svc
 
@@ -248,13 +269,13 @@ def test_a_code_tenants_job_reaches_nothing_of_the_service(split):
     assert not any(MARKER in v for v in report["env"].values())
     env = report["env"]  # the tenant's own keys, not the service's
     assert env["AWS_ACCESS_KEY_ID"] == "crew-m-own-key" and env["AWS_SECRET_ACCESS_KEY"] == "crew-m-own-secret"
-    joined, service_port = report["joined"], svc.gcs_port()
+    joined, service_port = report["joined"], svc.gcs
     assert service_port in joined and str(joined[service_port]).startswith("refused"), joined
     assert "uthentication" in joined[service_port] or "token" in joined[service_port].lower(), joined
     assert NOBODY in joined.values(), "its own jobs cluster takes it (trusted within the jobs cluster)"
     assert 0 not in joined.values(), "no task ran as the service's user"
 
-    svc.stop()  # a restart reads the state back: unchanged
+    svc.stop_serve()  # a restart reads the state back: unchanged
     svc.run()
     after = api(svc, "GET", f"/v1/jobs/{vid}", "root")
     assert after.status_code == 200 and after.json()["tenant"] == "team-b"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.isolation import code_tenants_problem
+from service.isolation import code_tenants_problem, same_address
 from service.jobs import ServiceSettings, jobs_headers
 
 URL = "http://10.0.0.5:8265"
@@ -37,3 +37,13 @@ def test_the_jobs_token_file_gives_the_header_and_its_errors_name_the_field(tmp_
     token.write_text("  \n")
     with pytest.raises(ValueError, match="is empty"):
         jobs_headers(ServiceSettings(**base, jobs_token_file=str(token)))
+
+
+@pytest.mark.parametrize("a,b,same", [
+    ("http://127.0.0.1:8265", "127.0.0.1:8265/", True),
+    ("http://localhost:8265", "http://127.0.0.1:8265", True),
+    ("http://127.0.0.1:8265", "http://127.0.0.1:8266", False),
+    ("http://10.0.0.5:8265", "http://10.0.0.6:8265", False),
+])
+def test_dashboard_addresses_compare_by_host_and_port(a, b, same):
+    assert same_address(a, b) is same
