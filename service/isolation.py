@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from service.ray_clients import dashboard_client
+
 
 class IsolationError(Exception):
     pass
@@ -47,7 +49,7 @@ def jobs_node_ids(url: str, headers: dict[str, str], timeout_s: float = 30.0) ->
     from ray.util.state.common import ListApiOptions, StateResource
 
     try:
-        client = StateApiClient(address=url, headers={"Content-Type": "application/json", **headers})
+        client = dashboard_client(StateApiClient, url, {"Content-Type": "application/json", **headers})
         nodes = client.list(StateResource.NODES, options=ListApiOptions(limit=10000, timeout=int(timeout_s)),
                             raise_on_missing_output=False)
     except Exception:  # boundary: the jobs cluster's HTTP API; the caller says what it could not check

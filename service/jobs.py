@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from cluster.storage import StorageRoot, open_root
 from service.auth import ROLES, Principal, in_tenant_data, is_under, policy_problems
+from service.ray_clients import dashboard_client
 from service.store import ACTIVE, TERMINAL, Record, Store, new_id
 from trainers import checkpoint as ckpt
 from trainers.config import SpecError, refs_not_imported, validate
@@ -228,7 +229,7 @@ class JobManager:
         self.settings = settings
         self.root = open_root(settings.storage_root)
         self.store = Store(settings.state_dir)
-        self.client = client or JobSubmissionClient(settings.ray_dashboard_url, headers=jobs_headers(settings))
+        self.client = client or dashboard_client(JobSubmissionClient, settings.ray_dashboard_url, jobs_headers(settings))
         self._lock = threading.RLock()
         self.on_reconciled = None  # called with every record after each pass (the service's gauges)
         self.on_reconcile_error = None  # called with the kind of each failed step (the service's counter)

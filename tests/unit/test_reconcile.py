@@ -8,6 +8,7 @@ the others use a fake client at the edge to drive the decisions.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -135,6 +136,23 @@ def test_a_head_with_no_job_agent_yet_gets_the_same_submission_again_and_a_refus
         refused, _ = mgr.create("job", Principal("team-a", "user"), {"name": "refused"}, None, "")
         assert refused.state == "FAILED" and "Ray refused the submission" in refused.error
         assert "bad field" in refused.error
+    finally:
+        dash.close()
+
+
+def test_the_jobs_client_talks_to_the_dashboard_it_is_given_whatever_ray_address_says(tmp_path, monkeypatch):
+    """The service joins its own Ray by RAY_ADDRESS; Ray's client would take that over the jobs
+    cluster's URL and send every job to the service's own cluster."""
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    dash = FakeDashboard()
+    try:
+        monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # the service's own cluster
+        monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:1")
+        mgr = JobManager(ServiceSettings(storage_root=str(tmp_path / "root"), state_dir=str(tmp_path / "state"),
+                                         ray_dashboard_url=dash.url))
+        mgr.client.submit_job(entrypoint="true", submission_id="etrain-x-0")
+        assert [p["submission_id"] for p in dash.posts] == ["etrain-x-0"]
+        assert os.environ["RAY_ADDRESS"] == "127.0.0.1:1", "the process's own setting is left as it was"
     finally:
         dash.close()
 
