@@ -39,7 +39,7 @@ def main() -> None:
     spec = validate({"name": "data", "training": {"batch_size": 128}})
     workload = resolve(spec)
     dataset = workload.dataset(spec, workload.prepare(spec, root))
-    plan = BatchPlan(len(dataset), 128, seed=0, min_batch=1)
+    plan = BatchPlan(len(dataset), 128, seed=0)
     steps = StepMicroBatches(plan, 0, 1, 128)
     memory_x, memory_y = dataset.x, dataset.y  # the upper bound: tensors already in memory
 
@@ -66,8 +66,8 @@ def main() -> None:
     from trainers.workloads.lm import stdlib_paragraphs
 
     lengths = np.array([min(len(p), 256) for p in stdlib_paragraphs(3000)])
-    dynamic = BatchPlan(len(lengths), 64, seed=0, lengths=lengths, min_batch=2)
-    fixed = BatchPlan(len(lengths), 64, seed=0, min_batch=2)
+    dynamic = BatchPlan(len(lengths), 64, seed=0, lengths=lengths)
+    fixed = BatchPlan(len(lengths), 64, seed=0)
     dyn, fix = [], []
     for step in range(dynamic.steps_per_epoch):
         for rank in range(2):

@@ -31,6 +31,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "fixtures")]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40000, help="target steps of the job (long enough for both)")
@@ -40,14 +48,16 @@ def main() -> None:
     from cluster.rehearsal.imds import FakeIMDS
     from waiting import wait_for
     from ray.cluster_utils import Cluster
-    from ray.experimental import internal_kv
 
     from cluster.spot import IMDS, drain_node, watch
     from trainers.config import validate
+    from trainers.home import job_home
+    from cluster.ray_adapter import kv_get
     from trainers.launch import run_job
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        "dashboard_port": free_port(),  # 8265 may be another Ray's
         "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                            "health_check_failure_threshold": 4}})
     nodes = [cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1") for _ in range(2)]
@@ -63,21 +73,21 @@ def main() -> None:
         })
         records_path = root / "bench-preempt" / "interruptions.json"
         records = lambda: json.loads(records_path.read_text()) if records_path.exists() else []  # noqa: E731
-        key = b"etrain/bench-preempt/heartbeat"
+        key = f"{job_home(spec).key}/heartbeat".encode()
         result: dict = {}
         submitted = time.time()
         say = lambda m: print(m, file=sys.stderr)  # noqa: E731
         job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec, say=say))),
                                daemon=True)
         job.start()
-        first_step = json.loads(wait_for(lambda: internal_kv._internal_kv_get(key), 300, "the first step"))["time"]
+        first_step = json.loads(wait_for(lambda: kv_get(key), 300, "the first step"))["time"]
         cold_start_s = first_step - submitted
         time.sleep(3)
         when = (datetime.now(timezone.utc) + timedelta(seconds=6)).strftime("%Y-%m-%dT%H:%M:%SZ")
         imds.documents["/latest/meta-data/spot/instance-action"] = json.dumps({"action": "terminate", "time": when})
         watch(IMDS(imds.url), lambda n: drain_node(cluster.address, nodes[1].node_id, n).returncode == 0,
               interval_s=0.2, max_polls=20, say=lambda m: None)
-        wait_for(lambda: (json.loads(internal_kv._internal_kv_get(key) or b"{}").get("cause")), 60, "the JIT checkpoint")
+        wait_for(lambda: (json.loads(kv_get(key) or b"{}").get("cause")), 60, "the JIT checkpoint")
         removed_notice = time.time()
         cluster.remove_node(nodes[1], allow_graceful=False)
         notice = wait_for(lambda: records()[:1], 300, "recovery after the notice")[0]

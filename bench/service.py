@@ -65,10 +65,10 @@ def main() -> None:
     import ray
     import requests
     from ray import serve
-    from ray._private.worker import get_dashboard_url
     from ray.job_submission import JobSubmissionClient
 
     from service.app import JobService
+    from cluster.ray_adapter import dashboard_url
     from service.auth import TokenEntry
     from service.jobs import ServiceSettings
 
@@ -76,8 +76,9 @@ def main() -> None:
     ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=True,
              dashboard_host="127.0.0.1", configure_logging=True, logging_level="WARNING", log_to_driver=False)
     try:
-        dashboard = f"http://{get_dashboard_url()}"
-        settings = ServiceSettings(storage_root=root, ray_dashboard_url=dashboard, max_active_per_tenant=100000,
+        dashboard = dashboard_url()
+        settings = ServiceSettings(storage_root=root, state_dir=mkdtemp(prefix="etrain-bench-state-"),
+                                   ray_dashboard_url=dashboard, max_active_per_tenant=100000,
                                    entrypoint_resources=NEVER, reconcile_interval_s=3600)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})

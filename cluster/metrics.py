@@ -101,14 +101,20 @@ class ServiceMetrics:
     """Request latency by route and status, and records by state, from the service replica."""
 
     def __init__(self):
-        from ray.util.metrics import Gauge, Histogram
+        from ray.util.metrics import Counter, Gauge, Histogram
 
         self.latency_s = Histogram("etrain_request_seconds", "service request latency", tag_keys=SERVICE_TAGS,
                                    boundaries=[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5])
         self.records = Gauge("etrain_records", "jobs and sweeps by kind and state", tag_keys=("kind", "state"))
+        self.reconcile_errors = Counter("etrain_reconcile_errors_total",
+                                        "reconciler steps that failed (Ray's Jobs API, the store), by kind",
+                                        tag_keys=("kind",))
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
         self.latency_s.observe(seconds, tags={"route": route, "method": method, "status": str(status)})
+
+    def reconcile_error(self, kind: str) -> None:
+        self.reconcile_errors.inc(tags={"kind": kind})
 
     def states(self, counts: dict[tuple[str, str], int]) -> None:
         for (kind, state), n in counts.items():

@@ -1,30 +1,35 @@
 """The job service: a FastAPI app behind Ray Serve. Routes under /v1; OpenAPI at /docs.
 
 Every route but ``/healthz`` needs ``Authorization: Bearer <token>``. A tenant sees only
-its own jobs and sweeps (another tenant's is a 404); an admin sees all. Limits: body size
-(413), unfinished jobs per tenant (429), and ``Idempotency-Key`` so a retried submit never
-makes a second job.
+its own jobs and sweeps (another tenant's is a 404); an admin sees all; what a spec may
+name depends on the tenant's role (403, service.auth). Limits: body size, counted while
+the body streams in (413); spec shape (depth, size, no YAML aliases: 422); quota slots per
+tenant and trials per sweep (429); ``Idempotency-Key`` so a retried submit never makes a
+second job. Answers carry storage-relative locations, never the server's paths.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import re
 import threading
 import time
 from urllib.parse import parse_qs
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, StreamingResponse
+from fastapi import Path as PathParam
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
 from service import web
 from service.auth import Principal, TokenEntry, Tokens
-from service.jobs import Conflict, JobManager, QuotaExceeded, ServiceSettings, public
+from service.isolation import check_code_tenants
+from service.jobs import (Conflict, Forbidden, JobManager, QuotaExceeded, RayUnavailable, ServiceSettings,
+                          jobs_headers)
 from service.schemas import CheckpointOut, Health, MetricsOut, Problem, RecordList, RecordOut
-from service.store import Record
+from service.store import ID_PATTERN, Record
 from trainers.config import SpecError, parse_text
 
 app = FastAPI(title="elastic-train", version="1",
@@ -33,7 +38,9 @@ bearer = HTTPBearer(auto_error=False, description="a token from `etrain serve` (
 COOKIE = "etrain_token"
 _state: dict = {}  # this replica's manager and tokens, set when Serve constructs the deployment
 
-ERRORS = {code: {"model": Problem} for code in (401, 404, 409, 413, 422, 429)}
+ERRORS = {code: {"model": Problem} for code in (401, 403, 404, 409, 413, 422, 429)}
+LOGIN_BODY_BYTES = 4096
+RecordId = PathParam(pattern=ID_PATTERN, description="j-<12 hex> for a job, s-<12 hex> for a sweep")
 # A text route's errors are still JSON problems; say so, or OpenAPI would list them as text/plain.
 TEXT_ROUTE_ERRORS = {code: {"description": "a problem", "content": {
     "application/json": {"schema": {"$ref": "#/components/schemas/Problem"}}}} for code in ERRORS}
@@ -69,31 +76,39 @@ def visible(record_id: str, who: Principal, kind: str) -> Record:
 
 @app.get("/healthz", response_model=Health, tags=["service"])
 def healthz() -> dict:
-    return {"status": "ok", "records": len(manager().store.all())}
+    return {"status": "ok"}  # nothing else: it answers anyone
+
+
+async def read_body(request: Request, limit: int, what: str) -> bytes:
+    """The body, refused (413) as soon as it passes ``limit``: a declared length is checked first,
+    and a chunked or lying body is counted as it streams in, never held whole beyond the limit."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"body of {declared} bytes is over the {limit}-byte limit: send a smaller {what}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"body of more than {limit} bytes is over the limit: send a smaller {what}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_spec_body(raw: bytes, content_type: str) -> dict:
+    """Bytes to a spec mapping (in a worker thread: parsing must not stall the event loop)."""
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise SpecError(["body: not UTF-8 text: send JSON or YAML"]) from None
+    return parse_text(text, "body", "json" if "json" in content_type else "auto")
 
 
 async def read_spec_body(request: Request) -> tuple[dict, str]:
-    limit = manager().settings.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"body of {declared} bytes is over the {limit}-byte limit: send a smaller spec")
-    raw = await request.body()
-    if len(raw) > limit:
-        raise HTTPException(413, f"body of {len(raw)} bytes is over the {limit}-byte limit: send a smaller spec")
+    raw = await read_body(request, manager().settings.max_body_bytes, "spec")
     try:
-        text = raw.decode()
-        kind = request.headers.get("content-type", "")
-        data = json.loads(text) if "json" in kind else parse_text(text, "body")
-    except UnicodeDecodeError:
-        raise HTTPException(422, {"detail": "invalid spec", "problems": ["body: not UTF-8 text"]}) from None
-    except json.JSONDecodeError as exc:
-        raise HTTPException(422, {"detail": "invalid spec", "problems": [
-            f"body: line {exc.lineno}, column {exc.colno}: {exc.msg}: fix the JSON syntax"]}) from None
+        data = await run_in_threadpool(parse_spec_body, raw, request.headers.get("content-type", ""))
     except SpecError as exc:
         raise HTTPException(422, {"detail": "invalid spec", "problems": exc.problems}) from None
-    if not isinstance(data, dict):
-        raise HTTPException(422, {"detail": "invalid spec", "problems": [
-            f"body: top level is {type(data).__name__}: a spec is a mapping of sections"]})
     return data, hashlib.sha256(raw).hexdigest()
 
 
@@ -111,56 +126,63 @@ def add_routes(kind: str) -> None:
         data, digest = await read_spec_body(request)
         key = idempotency_key or None
         try:
-            record, created = await run_in_threadpool(manager().create, kind, who.tenant, data, key, digest)
+            record, created = await run_in_threadpool(manager().create, kind, who, data, key, digest)
+        except Forbidden as exc:
+            raise HTTPException(403, {"detail": f"this {kind} spec names what role {who.role!r} may not use",
+                                      "problems": exc.problems}) from None
         except SpecError as exc:
             raise HTTPException(422, {"detail": f"invalid {kind} spec", "problems": exc.problems}) from None
         except QuotaExceeded as exc:
             raise HTTPException(429, str(exc)) from None
         except Conflict as exc:
             raise HTTPException(409, str(exc)) from None
-        return JSONResponse(public(record), status_code=201 if created else 200)
+        return JSONResponse(manager().public(record), status_code=201 if created else 200)
 
     @app.get(base, response_model=RecordList, responses=ERRORS, tags=[plural], operation_id=f"list_{plural}")
     def list_records(state: str | None = Query(None, pattern="^(PENDING|RUNNING|STOPPING|STOPPED|SUCCEEDED|FAILED)$"),
                      offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500),
                      who: Principal = Depends(principal)):
         records = manager().list(kind, who.tenant, who.is_admin, state)
-        return {"items": [public(r) for r in records[offset:offset + limit]], "total": len(records),
+        return {"items": [with_progress(r) for r in records[offset:offset + limit]], "total": len(records),
                 "offset": offset, "limit": limit}
 
     @app.get(base + "/{record_id}", response_model=RecordOut, responses=ERRORS, tags=[plural],
              operation_id=f"get_{kind}")
-    def get_record(record_id: str, who: Principal = Depends(principal)):
-        return public(visible(record_id, who, kind))
+    def get_record(record_id: str = RecordId, who: Principal = Depends(principal)):
+        return with_progress(visible(record_id, who, kind))
 
-    @app.get(base + "/{record_id}/logs", response_class=PlainTextResponse, responses=TEXT_ROUTE_ERRORS, tags=[plural],
+    @app.get(base + "/{record_id}/logs", response_class=PlainTextResponse, tags=[plural],
+             responses={**TEXT_ROUTE_ERRORS, 503: TEXT_ROUTE_ERRORS[404]},
              operation_id=f"logs_{kind}", summary="The latest attempt's log: the tail, or follow it live")
-    async def logs(record_id: str, tail: int = Query(200, ge=0, le=100000), follow: bool = False,
+    async def logs(record_id: str = RecordId, tail: int = Query(200, ge=0, le=100000), follow: bool = False,
                    who: Principal = Depends(principal)):
         record = visible(record_id, who, kind)
         if not follow:
-            return PlainTextResponse(await run_in_threadpool(manager().logs, record, tail))
+            try:
+                return PlainTextResponse(await run_in_threadpool(manager().logs, record, tail))
+            except RayUnavailable as exc:
+                raise HTTPException(404 if exc.missing else 503, str(exc)) from None
 
         async def stream():
             if not record.submissions:
                 return
             async for chunk in manager().client.tail_job_logs(record.submissions[-1]):
-                yield chunk
+                yield manager().relative(record.tenant, chunk)
         return StreamingResponse(stream(), media_type="text/plain")
 
     @app.post(base + "/{record_id}/stop", response_model=RecordOut, status_code=202, responses=ERRORS,
               tags=[plural], operation_id=f"stop_{kind}", summary="Stop gracefully: a final checkpoint, then stop")
-    def stop(record_id: str, who: Principal = Depends(principal)):
+    def stop(record_id: str = RecordId, who: Principal = Depends(principal)):
         try:
-            return public(manager().stop(visible(record_id, who, kind)))
+            return manager().public(manager().stop(visible(record_id, who, kind)))
         except Conflict as exc:
             raise HTTPException(409, str(exc)) from None
 
     @app.post(base + "/{record_id}/resume", response_model=RecordOut, status_code=202, responses=ERRORS,
               tags=[plural], operation_id=f"resume_{kind}", summary="Resume from the newest checkpoint")
-    def resume(record_id: str, who: Principal = Depends(principal)):
+    def resume(record_id: str = RecordId, who: Principal = Depends(principal)):
         try:
-            return public(manager().resume(visible(record_id, who, kind)))
+            return manager().public(manager().resume(visible(record_id, who, kind)))
         except Conflict as exc:
             raise HTTPException(409, str(exc)) from None
         except QuotaExceeded as exc:
@@ -168,19 +190,26 @@ def add_routes(kind: str) -> None:
 
     @app.get(base + "/{record_id}/checkpoints", response_model=list[CheckpointOut], responses=ERRORS,
              tags=[plural], operation_id=f"checkpoints_{kind}")
-    def checkpoints(record_id: str, who: Principal = Depends(principal)):
+    def checkpoints(record_id: str = RecordId, who: Principal = Depends(principal)):
         return manager().checkpoints(visible(record_id, who, kind))
 
     @app.get(base + "/{record_id}/profiles", response_model=list[str], responses=ERRORS, tags=[plural],
              operation_id=f"profiles_{kind}", summary="URIs of profiler traces (training.profile)")
-    def profiles(record_id: str, who: Principal = Depends(principal)):
+    def profiles(record_id: str = RecordId, who: Principal = Depends(principal)):
         return manager().profiles(visible(record_id, who, kind))
 
     @app.get(base + "/{record_id}/metrics", response_model=MetricsOut, responses=ERRORS, tags=[plural],
              operation_id=f"metrics_{kind}", summary="Step metrics over time (loss, throughput, world size)")
-    def metrics(record_id: str, who: Principal = Depends(principal)):
+    def metrics(record_id: str = RecordId, who: Principal = Depends(principal)):
         record = visible(record_id, who, kind)
         return {"id": record.id, "rows": manager().metrics(record)}
+
+
+def with_progress(record: Record) -> dict:
+    """The record as the API shows it, its progress from the latest metrics row (a running job's too)."""
+    data = manager().public(record)
+    data["progress"] = {**data["progress"], **{k: v for k, v in progress(record).items() if v is not None}}
+    return data
 
 
 add_routes("job")
@@ -203,63 +232,126 @@ async def _measure(request: Request, call_next):
 
 
 def web_principal(request: Request) -> Principal | None:
-    token = request.query_params.get("token") or request.cookies.get(COOKIE)
-    return _state["tokens"].authenticate(token)
+    """Who the page's cookie signs in; a token in the URL is never read (it would end up in logs)."""
+    return _state["tokens"].authenticate(request.cookies.get(COOKIE))
 
 
-def with_cookie(response: HTMLResponse, request: Request) -> HTMLResponse:
-    if request.query_params.get("token"):
-        response.set_cookie(COOKIE, request.query_params["token"], httponly=True, samesite="strict")
-    return response
+def page(text: str, status_code: int = 200) -> HTMLResponse:
+    return HTMLResponse(text, status_code=status_code, headers=web.HEADERS)
 
 
-@app.get("/", response_class=HTMLResponse, include_in_schema=False)
-def ui_jobs(request: Request):
-    who = web_principal(request)
-    if who is None:
-        return HTMLResponse(web.login_page(), status_code=401)
+@app.get("/ui/static/{name:path}", include_in_schema=False)
+def ui_static(name: str) -> Response:
+    found = web.static_file(name)
+    if found is None:
+        return Response("not found", status_code=404, media_type="text/plain")
+    body, media_type = found
+    return Response(body, media_type=media_type, headers={"Cache-Control": "max-age=3600",
+                                                          "X-Content-Type-Options": "nosniff"})
+
+
+def ui_rows(who: Principal) -> list[dict]:
     mgr, rows = manager(), []
     for kind in ("job", "sweep"):
         for r in mgr.list(kind, who.tenant, who.is_admin):
-            history = mgr.metrics(r)
-            last = history[-1] if history else {}
-            summary = r.summary or {}
-            rows.append({"id": r.id, "name": r.name, "kind": r.kind, "state": r.state,
-                         "step": last.get("step", summary.get("final_step")),
-                         "target_step": summary.get("target_step") or (r.spec.get("training") or {}).get("max_steps"),
-                         "goodput": last.get("goodput"), "updated_at": r.updated_at})
-    return with_cookie(HTMLResponse(web.jobs_page(who.tenant, rows)), request)
+            rows.append({"id": r.id, "name": r.name, "kind": r.kind, "state": r.state, "created_at": r.created_at,
+                         "updated_at": r.updated_at, "progress": progress(r)})
+    return sorted(rows, key=lambda row: -row["created_at"])
+
+
+def progress(record: Record) -> dict:
+    """Where a record stands now (its latest metrics row), not only where its last run ended."""
+    return web.progress_of(record.model_dump(mode="json"), manager().metrics(record), manager().interruptions(record))
+
+
+UI_STATE = Query(None, pattern="^(PENDING|RUNNING|STOPPING|STOPPED|SUCCEEDED|FAILED)$")
+
+
+@app.get("/", response_class=HTMLResponse, include_in_schema=False)
+def ui_jobs(request: Request, state: str | None = UI_STATE):
+    who = web_principal(request)
+    if who is None:
+        return page(web.login_page(), 401)
+    return page(web.jobs_page(who.tenant, ui_rows(who), state))
+
+
+@app.get("/ui/jobs-table", response_class=HTMLResponse, include_in_schema=False)
+def ui_jobs_table(request: Request, state: str | None = UI_STATE):
+    who = web_principal(request)
+    if who is None:
+        return page("", 401)
+    return page(web.jobs_table(ui_rows(who), state))
 
 
 @app.post("/ui/login", response_class=HTMLResponse, include_in_schema=False)
 async def ui_login(request: Request):
-    form = parse_qs((await request.body()).decode())
-    token = (form.get("token") or [""])[0]
+    raw = await read_body(request, LOGIN_BODY_BYTES, "form")
+    token = (parse_qs(raw.decode(errors="replace")).get("token") or [""])[0]
     if _state["tokens"].authenticate(token) is None:
-        return HTMLResponse(web.login_page("unknown token"), status_code=401)
-    response = RedirectResponse("/", status_code=303)
-    response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+        return page(web.login_page("unknown token"), 401)
+    response = RedirectResponse("/", status_code=303, headers=web.HEADERS)
+    response.set_cookie(COOKIE, token, httponly=True, secure=True, samesite="strict", path="/")
     return response
+
+
+LOG_LINES = 400  # the page's log: enough to scroll back through, small enough to send every refresh
+
+
+def ui_record(record_id: str, who: Principal) -> Record | None:
+    if not re.fullmatch(ID_PATTERN, record_id):
+        return None
+    return manager().visible(record_id, who.tenant, who.is_admin)
+
+
+def ui_parts(record: Record) -> tuple:
+    mgr = manager()
+    try:
+        logs = mgr.logs(record, LOG_LINES)
+    except RayUnavailable as exc:  # the page still shows the rest, and says why the log is missing
+        logs = f"[logs unavailable: {exc}]"
+    return mgr.public(record), mgr.metrics(record), mgr.interruptions(record), mgr.checkpoints(record), logs
 
 
 @app.get("/ui/jobs/{record_id}", response_class=HTMLResponse, include_in_schema=False)
 def ui_job(record_id: str, request: Request):
     who = web_principal(request)
     if who is None:
-        return HTMLResponse(web.login_page(), status_code=401)
-    mgr = manager()
-    record = mgr.visible(record_id, who.tenant, who.is_admin)
+        return page(web.login_page(), 401)
+    record = ui_record(record_id, who)
     if record is None:
-        return HTMLResponse(web.page("not found", f"<p>no job {record_id!r}</p>"), status_code=404)
-    html_text = web.job_page(public(record), mgr.metrics(record), mgr.interruptions(record),
-                             mgr.checkpoints(record), mgr.logs(record, 80))
-    return with_cookie(HTMLResponse(html_text), request)
+        return page(web.not_found_page(f"no job {record_id!r}"), 404)
+    return page(web.job_page(*ui_parts(record)))
+
+
+@app.get("/ui/jobs/{record_id}/data", include_in_schema=False)
+def ui_job_data(record_id: str, request: Request) -> JSONResponse:
+    """What the page's script refreshes: chart series and the page's parts, escaped here."""
+    who = web_principal(request)
+    if who is None:
+        return JSONResponse({"detail": "sign in again"}, status_code=401, headers=web.HEADERS)
+    record = ui_record(record_id, who)
+    if record is None:
+        return JSONResponse({"detail": f"no job {record_id!r}"}, status_code=404, headers=web.HEADERS)
+    return JSONResponse(web.job_data(*ui_parts(record)), headers=web.HEADERS)
+
+
+def own_dashboard_url() -> str | None:
+    """The dashboard of the Ray this replica runs in; None when Ray does not say."""
+    from cluster.ray_adapter import dashboard_url
+
+    try:
+        return dashboard_url()
+    except Exception:  # boundary: Ray's internals; the node-id comparison still decides
+        return None
 
 
 def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threading.Event:
     """Set this process's manager and start the reconciler (at once, then every interval)."""
     from cluster.metrics import ServiceMetrics
 
+    if client is None:  # the real Jobs API: `code` tenants only where their jobs cannot reach the service
+        check_code_tenants(tokens.tenants_with_role("code"), settings.ray_dashboard_url, jobs_headers(settings),
+                           own_url=own_dashboard_url())
     _state["manager"] = mgr = JobManager(settings, client)
     _state["tokens"] = tokens
     _state["metrics"] = metrics = ServiceMetrics()
@@ -271,13 +363,9 @@ def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threadi
             counts[(r.kind, r.state)] += 1
         metrics.states(counts)
     mgr.on_reconciled = count
+    mgr.on_reconcile_error = metrics.reconcile_error
     stop = threading.Event()
-
-    def reconcile() -> None:
-        mgr.reconcile_all()
-        mgr.run_reconciler(stop)
-
-    threading.Thread(target=reconcile, name="etrain-reconciler", daemon=True).start()
+    threading.Thread(target=mgr.run_reconciler, args=(stop,), name="etrain-reconciler", daemon=True).start()
     return stop
 
 

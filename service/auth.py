@@ -1,9 +1,17 @@
-"""Bearer tokens mapped to tenants and roles; only their SHA-256 hashes are kept.
+"""Bearer tokens mapped to tenants and roles, and what each role may put in a spec.
 
 Tokens come from a file (``--tokens FILE``, JSON or YAML) or ``ETRAIN_TOKENS`` (JSON), as a
-list of ``{tenant, role, sha256}`` (or ``token`` in clear, hashed on load). With none
-configured, ``etrain serve`` makes one admin token, keeps its hash under the storage root
-and prints the token once, as Jupyter does.
+list of ``{tenant, role, sha256}`` (or ``token`` in clear, hashed on load); only SHA-256
+hashes are kept. With none configured, ``etrain serve`` makes one admin token, keeps its
+hash in the service's own state (never under the storage root jobs write to) and prints
+the token once, as Jupyter does.
+
+Roles: ``admin`` sees every tenant and may run anything; ``code`` may run its own code
+(``train_loop``, any factory: trusted within the cluster); ``user`` runs built-in workloads
+and factories from modules the operator allows, and reads data only under its own prefix
+of the storage root or URIs the operator allows it. The checks read the spec's strings
+only: the service never imports a module a spec names, so an answer never tells whether
+a module exists.
 """
 
 from __future__ import annotations
@@ -12,21 +20,26 @@ import hashlib
 import hmac
 import json
 import os
+import posixpath
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Sequence
+from urllib.parse import unquote, urlparse
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from cluster.storage import StorageRoot
+from trainers.sweep import trial_spec_view
+
 
 TENANT_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+Role = Literal["admin", "user", "code"]
+ROLES: tuple[str, ...] = ("admin", "user", "code")
 
 
 class TokenEntry(BaseModel):
     tenant: str = Field(pattern=TENANT_PATTERN)
-    role: Literal["admin", "user"] = "user"
+    role: Role = "user"
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     token: str | None = Field(None, min_length=16, description="in clear: hashed on load, never kept")
 
@@ -73,6 +86,9 @@ class Tokens:
     def __len__(self) -> int:
         return len(self._by_hash)
 
+    def tenants_with_role(self, role: str) -> list[str]:
+        return sorted({p.tenant for p in self._by_hash.values() if p.role == role})
+
 
 class TokenConfigError(Exception):
     pass
@@ -110,11 +126,129 @@ def load_tokens(path: str | None = None, env: dict | None = None) -> list[TokenE
     return []
 
 
-def bootstrap_admin(root: StorageRoot) -> tuple[list[TokenEntry], str | None]:
-    """The stored admin hash, or a new admin token (returned once, to print) with its hash stored."""
-    if root.exists("tokens.json"):
-        return [TokenEntry.model_validate(e) for e in root.read_json("tokens.json")], None
+# ---------------------------------------------------------------- what a role may put in a spec
+
+# Fields a sweep over HTTP may not vary, nor any section that holds one: they say who owns a trial
+# and where it reads and writes. What code a trial may run is checked on every trial's spec instead.
+UNSWEEPABLE = ("name", "labels", "checkpoint.storage_root", "data.source")
+# The fields spec_problems reads: a sweep key that can change none of them cannot change its answer.
+ROLE_FIELDS = ("train_loop", "data.factory", "model.factory", "data.source")
+
+
+def location_key(uri: str) -> str:
+    """A URI or path in one normal form, for prefix checks: 's3://bucket/a/b' or '/a/b' ('..' resolved).
+
+    A URI's %-escapes are decoded first, as pyarrow decodes them when it opens one: otherwise
+    '%2e%2e' would pass here as a name and be read there as '..'. A plain path is taken as written.
+    """
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        return "s3://" + posixpath.normpath("/" + unquote(parsed.netloc + parsed.path)).lstrip("/")
+    path = unquote(parsed.path) if parsed.scheme == "file" else uri
+    return posixpath.normpath(path) if path.startswith("/") else "relative:" + posixpath.normpath(path)
+
+
+def is_under(uri: str, prefix: str) -> bool:
+    """Whether ``uri`` is ``prefix`` or inside it (by path components, after resolving '..')."""
+    a, b = location_key(uri), location_key(prefix).rstrip("/")
+    return a == b or a.startswith(b + "/")
+
+
+def in_tenant_data(source: str, tenant_root: str) -> str:
+    """A spec's data source with a relative path read as relative to the tenant's storage prefix."""
+    if source.startswith("builtin:") or "://" in source or source.startswith("/"):
+        return source
+    scheme, sep, base = tenant_root.rpartition("://")
+    joined = scheme + sep + posixpath.normpath(posixpath.join(base, source))
+    return joined + "/" if source.endswith("/") else joined
+
+
+def module_allowed(ref: str, prefixes: list[str]) -> bool:
+    module = ref.split(":", 1)[0]
+    return any(module == p or module.startswith(p.rstrip(".") + ".") for p in prefixes)
+
+
+def _get(data: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(data, dict):
+            return None
+        data = data.get(part)
+    return data
+
+
+def _overlaps(key: str, field: str) -> bool:
+    """Whether setting ``key`` can change ``field``: the same, inside it, or a section holding it."""
+    return key == field or key.startswith(field + ".") or field.startswith(key + ".")
+
+
+def policy_problems(role: str, data: dict, factory_modules: list[str], tenant_root: str,
+                    data_uris: Sequence[str] = ()) -> list[str]:
+    """What ``role`` may not put in this spec (a job's, or a sweep's with its space).
+
+    Pure and string-only: nothing named is imported or opened. A relative ``data.source`` is
+    read under ``tenant_root``; ``data_uris`` are what the operator allows the tenant besides;
+    ``factory_modules`` the module prefixes a user's factories may come from. A sweep's every
+    listed value is checked in the trial spec it makes. Messages echo values as given, never
+    where the server keeps things, nor what exists.
+    """
+    base = {k: v for k, v in data.items() if k != "sweep"}
+    problems = spec_problems(role, base, factory_modules, tenant_root, data_uris)
+    space = _get(data, "sweep.space")
+    for key, domain in space.items() if isinstance(space, dict) else ():
+        if not isinstance(key, str):
+            continue  # not a spec key at all: the sweep's own checks refuse it
+        if any(_overlaps(key, f) for f in UNSWEEPABLE):
+            problems.append(f"sweep.space.{key}: not searchable over HTTP: it says (or holds what says) who owns "
+                            "a trial or what it reads: set it once in the spec, and sweep the fields beside it")
+            continue
+        if not any(_overlaps(key, f) for f in ROLE_FIELDS):
+            continue
+        values = next(iter(domain.values())) if isinstance(domain, dict) and len(domain) == 1 else None
+        for value in values if isinstance(values, list) else ():
+            trial = spec_problems(role, trial_spec_view(base, key, value), factory_modules, tenant_root, data_uris)
+            new = [p for p in trial if p not in problems]
+            if new:
+                problems.extend(f"sweep.space.{key}: {json.dumps(value, default=str)[:200]}: {p}" for p in new)
+                break
+    return problems
+
+
+def spec_problems(role: str, data: dict, factory_modules: list[str], tenant_root: str,
+                  data_uris: Sequence[str] = ()) -> list[str]:
+    """What ``role`` may not put in one job spec (see policy_problems)."""
+    if role in ("admin", "code"):
+        return []
+    problems = []
+    if _get(data, "train_loop") is not None:
+        problems.append("train_loop: not allowed for role 'user': your own training loop needs a tenant with "
+                        "role 'code' (ask your operator), or use the built-in loop with model/data factories")
+    allowed = ", ".join(factory_modules) if factory_modules else "none"
+    for field in ("data.factory", "model.factory"):
+        ref = _get(data, field)
+        if ref is not None and not (isinstance(ref, str) and module_allowed(ref, factory_modules)):
+            problems.append(f"{field}: {json.dumps(ref, default=str)[:200]}: not allowed for role 'user': "
+                            f"factories may come from modules under: {allowed} (your operator sets the list)")
+    source = _get(data, "data.source")
+    if isinstance(source, str) and not source.startswith("builtin:") and not any(
+            is_under(in_tenant_data(source, tenant_root), r) for r in (tenant_root, *data_uris)):
+        problems.append(f"data.source: {json.dumps(source)[:300]}: outside your data: role 'user' "
+                        "reads only under its own storage prefix (give a path relative to it, e.g. "
+                        "'data/train.parquet') or URIs your operator allows")
+    return problems
+
+
+# ---------------------------------------------------------------- the bootstrap admin
+
+
+def bootstrap_admin(state) -> tuple[list[TokenEntry], str | None]:
+    """The stored admin hash, or a new admin token (returned once, to print) with its hash stored.
+
+    ``state`` is the service's own store (service.store.Store), out of every job's reach.
+    """
+    stored = state.tokens()
+    if stored:
+        return [TokenEntry.model_validate(e) for e in stored], None
     token = new_token()
     entry = TokenEntry(tenant="admin", role="admin", sha256=hash_token(token))
-    root.write_bytes(json.dumps([entry.model_dump(exclude={"token"})]).encode(), "tokens.json")
+    state.add_token(entry.model_dump(exclude={"token"}))
     return [entry], token

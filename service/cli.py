@@ -32,16 +32,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.storage import default_root, open_root
+    from cluster.storage import default_root
     from service.app import JobService
     from service.auth import TokenConfigError, bootstrap_admin, load_tokens
-    from service.jobs import ServiceSettings
+    from service.isolation import IsolationError, check_code_tenants
+    from service.jobs import jobs_headers
+    from service.store import Store
     from trainers.launch import ensure_ray
 
     storage_root = args.storage_root or default_root()
     try:
         entries = load_tokens(args.tokens)
-    except TokenConfigError as exc:
+        settings = serve_settings(args, storage_root)
+    except (TokenConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     started_ray = ensure_ray(args.cpus)
@@ -52,15 +55,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     printed = None
     if not entries:
-        entries, printed = bootstrap_admin(open_root(storage_root).sub("service"))
-    dashboard = args.dashboard_url or _dashboard_url()
-    settings = ServiceSettings(storage_root=storage_root, ray_dashboard_url=dashboard,
-                               max_active_per_tenant=args.quota, stop_wait_s=args.stop_wait_s)
+        state = Store(settings.state_dir)
+        entries, printed = bootstrap_admin(state)
+        state.close()
+    settings.ray_dashboard_url = settings.ray_dashboard_url or _dashboard_url()
+    try:
+        check_code_tenants({e.tenant for e in entries if e.role == "code"}, settings.ray_dashboard_url,
+                           jobs_headers(settings), own_url=_dashboard_url())
+    except (IsolationError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if started_ray:
+            ray.shutdown()
+        return 2
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(JobService.bind(settings.model_dump(), [e.model_dump(exclude={"token"}) for e in entries]),
               name="etrain", route_prefix="/", blocking=False)
     url = f"http://{args.host}:{args.port}"
-    print(f"[etrain] service at {url} (API under /v1, docs at {url}/docs); storage {storage_root}")
+    print(f"[etrain] service at {url} (API under /v1, docs at {url}/docs); storage {storage_root}, "
+          f"state {settings.state_dir}")
     if printed:
         print(f"[etrain] admin token (shown once; only its hash is kept): {printed}")
         print(f"[etrain]   export ETRAIN_SERVER={url} ETRAIN_TOKEN={printed}")
@@ -77,12 +89,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_settings(args: argparse.Namespace, storage_root: str):
+    """The service's settings: the --config file (YAML or JSON), then the flags given over it."""
+    import yaml
+    from pydantic import ValidationError
+
+    from service.jobs import ServiceSettings
+
+    data: dict = {}
+    if args.config:
+        try:
+            with open(args.config) as f:
+                data = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"--config {args.config}: cannot read: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {args.config}: expected a mapping of settings (see `etrain serve --help`)")
+    data["storage_root"] = storage_root
+    data.setdefault("ray_dashboard_url", args.dashboard_url or "")
+    for flag, key in (("quota", "max_active_per_tenant"), ("stop_wait_s", "stop_wait_s"), ("state_dir", "state_dir")):
+        if getattr(args, flag) is not None:
+            data[key] = getattr(args, flag)
+    try:
+        return ServiceSettings.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "settings"
+        raise ValueError(f"--config {args.config or '(flags)'}: {where}: {first['msg']}") from None
+
+
 def _dashboard_url() -> str:
     """The Jobs API address of the Ray this process is connected to."""
-    from ray._private.worker import get_dashboard_url  # Ray has no public getter once connected
+    from cluster.ray_adapter import dashboard_url
 
-    url = get_dashboard_url()
-    return url if url.startswith("http") else f"http://{url}"
+    return dashboard_url()
 
 
 # ---------------------------------------------------------------- client
@@ -186,7 +226,7 @@ def cmd_records(args: argparse.Namespace) -> int:
                 f"step {r['step']:>7}  loss {r.get('loss', float('nan')):.4f}  {r.get('samples_per_s', 0):.0f} samples/s"
                 for r in out["rows"]) or "(no metrics yet)")
         out = c.call("GET", f"/v1/{plural}/{args.id}").json()
-        return _show(args, out, lambda: table([out]))
+        return _show(args, out, lambda: details(out))
     except ApiError as exc:
         print(exc.render(), file=sys.stderr)
         return 1
@@ -197,17 +237,85 @@ def _show(args: argparse.Namespace, out, render) -> int:
     return 0
 
 
-def table(records: list[dict]) -> str:
+WIDTH = 80  # a terminal's width: tables fit it, the name column gives way
+
+
+def short_age(seconds: float | None) -> str:
+    if seconds is None or seconds < 0:
+        return "-"
+    for size, unit, small, small_unit in ((86400, "d", 3600, "h"), (3600, "h", 60, "m"), (60, "m", 1, "s")):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}{seconds % size // small:02.0f}{small_unit}"
+    return f"{seconds:.0f}s"
+
+
+def steps(n: float) -> str:
+    return f"{n:.0f}" if n < 10000 else f"{n / 1000:.0f}k" if n < 10_000_000 else f"{n / 1e6:.0f}M"
+
+
+def progress_text(p: dict) -> str:
+    step, target = p.get("step"), p.get("target_step")
+    if step is None:
+        return "-"
+    if not target:
+        return steps(step)
+    return f"{steps(step)}/{steps(target)} {100 * min(1.0, step / target):.0f}%"
+
+
+def table(records: list[dict], now: float | None = None) -> str:
+    """Records as columns that fit an 80-column terminal (a long name is cut, with an ellipsis)."""
     if not records:
         return "(none)"
-    rows = [("ID", "NAME", "TENANT", "STATE", "STEP", "UPDATED")]
+    now = time.time() if now is None else now
+    tenants = len({r["tenant"] for r in records}) > 1
+    head = ("ID", "NAME", *(("TENANT",) if tenants else ()), "STATE", "PROGRESS", "GOODPUT", "COST", "AGE")
+    rows = [head]
     for r in records:
         p = r.get("progress") or {}
-        step = f"{p.get('step')}/{p.get('target_step')}" if p.get("step") is not None else "-"
-        rows.append((r["id"], r["name"], r["tenant"], r["state"], step,
-                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["updated_at"]))))
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+        goodput = f"{100 * p['goodput']:.0f}%" if p.get("goodput") is not None else "-"
+        cost = f"${p['cost_usd']:.2f}" if p.get("cost_usd") is not None else "-"
+        rows.append((r["id"], r["name"], *((r["tenant"],) if tenants else ()), r["state"], progress_text(p), goodput,
+                     cost, short_age(now - r["created_at"])))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    # Free text gives way, the name first: down to 8, then a tenant to 6, then the name to 4.
+    for column, least in ((1, 8), *(((2, 6),) if tenants else ()), (1, 4)):
+        over = sum(widths) + 2 * (len(widths) - 1) - WIDTH
+        if over > 0:
+            widths[column] = max(min(least, widths[column]), widths[column] - over)
+
+    def cell(value, width: int) -> str:
+        text = str(value)
+        return (text if len(text) <= width else text[:width - 1] + "\u2026").ljust(width)
+    return "\n".join("  ".join(cell(c, w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def details(r: dict, now: float | None = None) -> str:
+    """One record, a field a line, for `jobs get`."""
+    now = time.time() if now is None else now
+    p = r.get("progress") or {}
+
+    def when(t: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    fields = [("id", r["id"]), ("name", r["name"]), ("tenant", r["tenant"]), ("state", r["state"]),
+              ("progress", progress_text(p))]
+    if p.get("eta_s") is not None:
+        fields.append(("eta", short_age(p["eta_s"])))
+    for key, label, fmt in (("loss", "loss", "{:.4f}"), ("samples_per_s", "samples/s", "{:.0f}"),
+                            ("world_size", "world size", "{:.0f}"), ("goodput", "goodput", "{:.0%}"),
+                            ("cost_usd", "cost", "${:.4f}")):
+        if p.get(key) is not None:
+            fields.append((label, fmt.format(p[key])))
+    fields += [("created", f"{when(r['created_at'])} ({short_age(now - r['created_at'])} ago)"),
+               ("updated", when(r["updated_at"])), ("storage", r["storage"]),
+               ("attempts", str(len(r.get("submissions") or [])))]
+    if r.get("error"):
+        fields.append(("error", r["error"]))
+    lines = [f"{k + ':':<12}{v}" for k, v in fields]
+    history = r.get("history") or []
+    if history:
+        lines.append("history:")
+        lines += [f"  {when(h['at'])}  {h['state']:<9}  {h['reason']}"[:WIDTH] for h in history[-8:]]
+    return "\n".join(lines)
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
@@ -221,17 +329,29 @@ def main(argv: list[str] | None = None) -> int:
     serve_p = sub.add_parser(
         "serve", help="run the job service (Ray Serve + FastAPI) on the current Ray cluster",
         description="Deploys the HTTP service. Tokens: --tokens FILE or $ETRAIN_TOKENS, a JSON/YAML list of "
-                    "{tenant, role: admin|user, sha256: <hex of the token>}; with none, an admin token is made "
-                    "and printed once.", epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                    "{tenant, role: admin|user|code, sha256: <hex of the token>}; with none, an admin token is "
+                    "made and printed once. Roles: admin (everything, every tenant), code (its own code: "
+                    "train_loop, any factory; trusted within the jobs cluster, and served only when --dashboard-url "
+                    "names a jobs cluster apart from the service's own Ray), user (built-in workloads, factories "
+                    "from --config's factory_modules, data under its own storage prefix or tenant_data_uris). "
+                    "--config FILE sets the rest (YAML): factory_modules, tenant_data_uris, tenant_env, "
+                    "tenant_quotas, max_sweep_trials, entrypoint_resources, max_body_bytes, jobs_token_file (the jobs "
+                    "cluster's own Ray token).", epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve_p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve_p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve_p.add_argument("--storage-root", help="where records, specs and jobs live (default: $ETRAIN_STORAGE_ROOT "
                                                 "or ~/etrain-storage)")
     serve_p.add_argument("--tokens", help="token file (see above)")
-    serve_p.add_argument("--quota", type=int, default=4, help="unfinished jobs and sweeps per tenant (default 4)")
-    serve_p.add_argument("--stop-wait-s", type=float, default=120.0,
-                         help="graceful stop: seconds to wait for the final checkpoint before Ray's stop")
-    serve_p.add_argument("--dashboard-url", help="Ray Jobs API URL (default: the connected cluster's dashboard)")
+    serve_p.add_argument("--config", help="settings file, YAML (see above)")
+    serve_p.add_argument("--state-dir", help="the service's own state (records, keys, token hashes): a local folder "
+                                             "outside the storage root (default: $ETRAIN_STATE_DIR or "
+                                             "~/.etrain/service)")
+    serve_p.add_argument("--quota", type=int, help="quota slots per tenant: a job takes 1, a sweep its "
+                                                   "max_concurrent_trials (default 4)")
+    serve_p.add_argument("--stop-wait-s", type=float,
+                         help="graceful stop: seconds to wait for the final checkpoint before Ray's stop (default 120)")
+    serve_p.add_argument("--dashboard-url", help="Ray Jobs API URL of the cluster jobs run on (default: the connected cluster's "
+                                                  "dashboard; `code` tenants need a cluster apart from the service's)")
     serve_p.add_argument("--cpus", type=int, default=4, help="logical CPUs of a local Ray this starts (default 4)")
     serve_p.add_argument("--detach", action="store_true", help="deploy and exit (needs a running cluster)")
     serve_p.set_defaults(fn=cmd_serve)

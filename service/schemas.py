@@ -63,4 +63,3 @@ class MetricsOut(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
-    records: int

@@ -1,14 +1,16 @@
-"""Durable job and sweep records under the storage root, so they outlive replicas and the head node.
+"""The service's own state: job and sweep records, Idempotency-Keys and token hashes.
 
-Layout under ``<storage root>/service/``::
+They live in one SQLite file in the service's state folder (``ServiceSettings.state_dir``,
+default ``~/.etrain/service``, mode 0700) on the disk of the node that runs the service,
+never under the storage root. Jobs are handed the storage root (their tenant's prefix of
+it) and nothing else: no path to this folder, no variable naming it, so a job that walks
+its storage finds no record to rewrite and no token file to add itself to. The folder is
+refused at start-up if it lies inside the storage root.
 
-    records/<id>.json                 one record per job or sweep, rewritten whole (atomically)
-    idempotency/<tenant>/<sha>.json   Idempotency-Key -> record id, created exclusively
-    tokens.json                       the bootstrap admin token's hash (never the token)
-
-A record holds the spec, owner, state history, Ray submission ids per attempt and the
-last summary. Writes are whole-object: a rename locally, one PUT on S3. Records are few
-and small, so the store keeps them in memory and writes through.
+Why SQLite rather than files in storage: records are few and small, a transaction makes an
+Idempotency-Key binding exclusive without a storage feature (S3 conditional PUTs), and the
+state's only reader and writer is the service. Keep the folder on a persistent disk (an EBS
+volume on the head) to survive the head node's replacement.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sqlite3
 import threading
 import time
 import uuid
@@ -23,11 +26,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from cluster.storage import StorageRoot
-
 State = Literal["PENDING", "RUNNING", "STOPPING", "STOPPED", "SUCCEEDED", "FAILED"]
 TERMINAL: frozenset[str] = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
 ACTIVE: frozenset[str] = frozenset({"PENDING", "RUNNING", "STOPPING"})
+ID_PATTERN = r"^[js]-[0-9a-f]{12}$"
+DB_FILE = "service.sqlite3"
 
 
 class Transition(BaseModel):
@@ -46,6 +49,8 @@ class Record(BaseModel):
     spec: dict[str, Any]
     spec_uri: str
     storage: str  # the job's folder (or the sweep's) in storage
+    slots: int = Field(1, description="how much of the tenant's quota it holds while unfinished: a sweep's "
+                                      "concurrent trials")
     submissions: list[str] = Field(default_factory=list, description="Ray Jobs submission id per attempt")
     created_at: float
     updated_at: float
@@ -66,27 +71,39 @@ def new_id(kind: str) -> str:
     return f"{kind[0]}-{uuid.uuid4().hex[:12]}"
 
 
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS records (id TEXT PRIMARY KEY, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS idempotency (tenant TEXT NOT NULL, key_sha256 TEXT NOT NULL, record_id TEXT NOT NULL,
+                                        body_sha256 TEXT NOT NULL, at REAL NOT NULL,
+                                        PRIMARY KEY (tenant, key_sha256));
+CREATE TABLE IF NOT EXISTS tokens (sha256 TEXT PRIMARY KEY, body TEXT NOT NULL);
+"""
+
+
 class Store:
-    def __init__(self, root: StorageRoot):
-        self.root = root
+    """Records in memory, written through to SQLite; keys and token hashes read from it."""
+
+    def __init__(self, state_dir: str):
+        state_dir = os.path.abspath(os.path.expanduser(state_dir))
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        os.chmod(state_dir, 0o700)
+        self.path = os.path.join(state_dir, DB_FILE)
         self._lock = threading.RLock()
+        # One connection, shared by the replica's threads under the lock; autocommit, WAL, fsync'd.
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        os.chmod(self.path, 0o600)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
         self._records: dict[str, Record] = {}
-        for name in self._list("records"):
-            if name.endswith(".json"):
-                record = Record.model_validate(root.read_json("records", name))
-                self._records[record.id] = record
-
-    def _list(self, *parts: str) -> list[str]:
-        import pyarrow.fs as pafs
-
-        if not self.root.exists(*parts):
-            return []
-        infos = self.root.fs.get_file_info(pafs.FileSelector(self.root.path(*parts)))
-        return sorted(os.path.basename(i.path) for i in infos if i.type == pafs.FileType.File)
+        for (body,) in self._db.execute("SELECT body FROM records"):
+            record = Record.model_validate_json(body)
+            self._records[record.id] = record
 
     def save(self, record: Record) -> None:
         with self._lock:
-            self.root.write_json(record.model_dump(mode="json"), "records", f"{record.id}.json")
+            self._db.execute("INSERT OR REPLACE INTO records (id, body) VALUES (?, ?)",
+                             (record.id, record.model_dump_json()))
             self._records[record.id] = record.model_copy(deep=True)
 
     def get(self, record_id: str) -> Record | None:
@@ -100,46 +117,32 @@ class Store:
 
     # ------------------------------------------------------------ idempotency keys
 
-    @staticmethod
-    def _key_file(tenant: str, key: str) -> tuple[str, str, str]:
-        return "idempotency", tenant, hashlib.sha256(key.encode()).hexdigest() + ".json"
-
     def claim_key(self, tenant: str, key: str, record_id: str, body_sha256: str) -> dict:
         """Bind an Idempotency-Key to a record id, exclusively; return the binding that won."""
-        parts = self._key_file(tenant, key)
-        entry = {"id": record_id, "body_sha256": body_sha256, "at": time.time()}
+        digest = hashlib.sha256(key.encode()).hexdigest()
         with self._lock:
-            if create_exclusive(self.root, json.dumps(entry).encode(), *parts):
-                return entry
-            return self.root.read_json(*parts)
+            self._db.execute("INSERT OR IGNORE INTO idempotency VALUES (?, ?, ?, ?, ?)",
+                             (tenant, digest, record_id, body_sha256, time.time()))
+            return self.key_binding(tenant, key)
 
     def key_binding(self, tenant: str, key: str) -> dict | None:
-        parts = self._key_file(tenant, key)
-        return self.root.read_json(*parts) if self.root.exists(*parts) else None
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        with self._lock:
+            row = self._db.execute("SELECT record_id, body_sha256, at FROM idempotency WHERE tenant=? AND key_sha256=?",
+                                   (tenant, digest)).fetchone()
+        return {"id": row[0], "body_sha256": row[1], "at": row[2]} if row else None
 
+    # ------------------------------------------------------------ token hashes (the bootstrap admin)
 
-def create_exclusive(root: StorageRoot, data: bytes, *parts: str) -> bool:
-    """Create a file only if it does not exist: O_EXCL locally, a conditional PUT on S3."""
-    import pyarrow.fs as pafs
+    def tokens(self) -> list[dict]:
+        with self._lock:
+            return [json.loads(body) for (body,) in self._db.execute("SELECT body FROM tokens ORDER BY rowid")]
 
-    path = root.path(*parts)
-    if isinstance(root.fs, pafs.LocalFileSystem):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return True
-    import boto3
-    from botocore.exceptions import ClientError
+    def add_token(self, entry: dict) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO tokens (sha256, body) VALUES (?, ?)",
+                             (entry["sha256"], json.dumps(entry)))
 
-    bucket, _, key = path.partition("/")
-    try:
-        boto3.client("s3").put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-    except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
-            return False
-        raise
-    return True
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,112 +1,307 @@
-"""The service's own web page: a tenant's jobs, and one job's curves, interruptions, checkpoints
-and log tail. Server-rendered HTML with inline SVG charts: no script, nothing from the internet.
+"""The service's own web page: a tenant's jobs, and one job's progress, curves, interruptions,
+checkpoints and log, refreshed in place while the job runs.
 
-Browsers cannot send a bearer header, so ``/ui/login`` (or ``?token=`` once) sets an HttpOnly
-cookie holding the token; the same tenant rules as the API apply.
+Every value goes through Jinja2 templates with autoescape on (job files, ids and logs are a
+tenant's text). The page's one script and its charting library (uPlot, vendored under
+service/static with its licence) come from the service itself: the Content-Security-Policy
+allows script from 'self' only, never inline script, and nothing from the internet. The
+script fetches ``/ui/jobs/<id>/data`` (JSON: chart series, and the page's parts rendered
+here by the same escaping templates) and never builds HTML from a job's text itself. The
+only way in is the sign-in form, which sets an HttpOnly, Secure, SameSite=Strict cookie: a
+token never appears in a URL.
 """
 
 from __future__ import annotations
 
-import html
+import math
+import re
 import time
 from collections.abc import Sequence
+from importlib import resources
+from typing import Any
 
-STYLE = """
-body{font:14px system-ui,sans-serif;margin:24px;color:#1b1f24}
-table{border-collapse:collapse}td,th{padding:4px 10px;border-bottom:1px solid #ddd;text-align:left}
-.state-RUNNING{color:#0a7}.state-FAILED{color:#c22}.state-SUCCEEDED{color:#25a}.state-STOPPED{color:#a70}
-svg.chart{background:#fafbfc;border:1px solid #ddd;margin:8px 16px 8px 0}
-svg .line{fill:none;stroke:#25a;stroke-width:1.5}svg .interruption{stroke:#c22;stroke-dasharray:4 3}
-svg text{font-size:11px;fill:#555}pre{background:#f5f5f5;padding:8px;max-height:360px;overflow:auto}
-"""
+from jinja2 import Environment, PackageLoader, StrictUndefined
+
+from trainers.console import strip_ansi
+
+# Script and styles only from the service itself, data only from it, forms only to it, no framing.
+CSP = ("default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; img-src 'self'; "
+       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+           "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
+STATES = ("PENDING", "RUNNING", "STOPPING", "STOPPED", "SUCCEEDED", "FAILED")
+ACTIVE_STATES = ("PENDING", "RUNNING", "STOPPING")
+# The files under service/static the page may load, with their media types; nothing else is served.
+STATIC = {"etrain.css": "text/css", "etrain.js": "text/javascript",
+          "vendor/uplot/uPlot.iife.min.js": "text/javascript", "vendor/uplot/uPlot.min.css": "text/css",
+          "vendor/uplot/LICENSE": "text/plain"}
+# What each chart plots against the step: (history key, legend label).
+CHART_SERIES = ("loss", "learning_rate", "samples_per_s", "tokens_per_s", "data_wait_fraction", "world_size")
+RAY_PREFIX = re.compile(r"^\((?:[\w.:-]+ )*pid=\w+(?:, ip=[\d.:a-f]+)?\) ?")
+RAY_DRIVER_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+GLOG = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[DIWEF]) \d+ \d+\]")
+GLOG_LEVELS = {"D": "debug", "I": "info", "W": "warning", "E": "error", "F": "error"}
+ERROR_WORDS = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b|^Traceback \(most recent call last\)|^\w[\w.]*(Error|Exception): ")
+WARNING_WORDS = re.compile(r"\bWARN(ING)?\b|\w+Warning: ")
+
+_env = Environment(loader=PackageLoader("service", "templates"), autoescape=True, undefined=StrictUndefined)
 
 
-def page(title: str, body: str) -> str:
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>")
+def render(template: str, **context: Any) -> str:
+    return _env.get_template(template).render(**context)
+
+
+def static_file(name: str) -> tuple[bytes, str] | None:
+    """(bytes, media type) of an allowed static file, else None."""
+    if name not in STATIC:
+        return None
+    return resources.files("service").joinpath("static", *name.split("/")).read_bytes(), STATIC[name]
 
 
 def login_page(message: str = "") -> str:
-    note = f"<p style='color:#c22'>{html.escape(message)}</p>" if message else ""
-    return page("elastic-train: sign in", note + "<form method='post' action='/ui/login'>"
-                "<label>Token <input type='password' name='token' size='50'></label> "
-                "<button type='submit'>Sign in</button></form>")
+    return render("login.html", title="elastic-train: sign in", message=message)
 
 
-def fmt_time(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+def not_found_page(message: str) -> str:
+    return render("not_found.html", title="not found", message=message)
 
 
-def jobs_page(tenant: str, rows: Sequence[dict]) -> str:
-    """rows: {id, name, kind, state, step, target_step, goodput, updated_at}."""
-    if not rows:
-        return page(f"Jobs of {tenant}", "<p>No jobs yet. Submit one: <code>etrain submit SPEC</code></p>")
-    lines = ["<table id='jobs'><tr><th>id</th><th>name</th><th>kind</th><th>state</th><th>progress</th>"
-             "<th>goodput</th><th>updated</th></tr>"]
-    for r in rows:
-        progress = (f"{r['step']}/{r['target_step']} ({100 * r['step'] / r['target_step']:.0f}%)"
-                    if r.get("step") is not None and r.get("target_step") else "-")
-        good = f"{100 * r['goodput']:.0f}%" if r.get("goodput") is not None else "-"
-        link = f"<a href='/ui/jobs/{html.escape(r['id'])}'>{html.escape(r['id'])}</a>" if r["kind"] == "job" \
-            else html.escape(r["id"])
-        lines.append(f"<tr class='job'><td>{link}</td><td>{html.escape(r['name'])}</td><td>{r['kind']}</td>"
-                     f"<td class='state-{r['state']}'>{r['state']}</td><td>{progress}</td><td>{good}</td>"
-                     f"<td>{fmt_time(r.get('updated_at'))}</td></tr>")
-    lines.append("</table>")
-    return page(f"Jobs of {tenant}", "".join(lines))
+# ---------------------------------------------------------------- numbers, as a person reads them
 
 
-def svg_chart(chart_id: str, title: str, points: Sequence[tuple[float, float]], marks: Sequence[float] = (),
-              width: int = 560, height: int = 220) -> str:
-    """A line chart of (x, y) with vertical marks at some x (interruptions), as inline SVG."""
-    pad_l, pad_r, pad_t, pad_b = 56, 12, 24, 28
-    if not points:
-        return (f"<svg id='{chart_id}' class='chart empty' width='{width}' height='{height}'>"
-                f"<text x='{pad_l}' y='{height / 2}'>{html.escape(title)}: no data yet</text></svg>")
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1 = min(xs + list(marks)), max(xs + list(marks))
-    y0, y1 = min(ys), max(ys)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1)
-    sx = lambda x: pad_l + (x - x0) / (x1 - x0) * (width - pad_l - pad_r)  # noqa: E731
-    sy = lambda y: height - pad_b - (y - y0) / (y1 - y0) * (height - pad_t - pad_b)  # noqa: E731
-    line = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in points)
-    parts = [f"<svg id='{chart_id}' class='chart' width='{width}' height='{height}' "
-             f"viewBox='0 0 {width} {height}' role='img' aria-label='{html.escape(title)}'>",
-             f"<text x='{pad_l}' y='16'>{html.escape(title)}</text>",
-             f"<text x='4' y='{pad_t + 8}'>{y1:.4g}</text><text x='4' y='{height - pad_b}'>{y0:.4g}</text>",
-             f"<text x='{pad_l}' y='{height - 8}'>0 s</text>"
-             f"<text x='{width - pad_r - 60}' y='{height - 8}'>{x1 - x0:.0f} s</text>",
-             f"<polyline class='line' points='{line}'/>"]
-    for m in marks:
-        parts.append(f"<line class='interruption' x1='{sx(m):.1f}' x2='{sx(m):.1f}' y1='{pad_t}' "
-                     f"y2='{height - pad_b}'><title>interruption</title></line>")
-    parts.append("</svg>")
-    return "".join(parts)
+def number(v: Any) -> float | None:
+    """``v`` when it is a finite number, else None: job files are a tenant's, not to be trusted."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        return v
+    return None
 
 
-def job_page(record: dict, rows: Sequence[dict], interruptions: Sequence[dict], checkpoints: Sequence[dict],
-             log_tail: str) -> str:
-    start = rows[0]["time"] if rows else 0.0
-    marks = [r["interrupted_at"] - start for r in interruptions if rows and "interrupted_at" in r]
-    loss = [(r["time"] - start, r["loss"]) for r in rows if r.get("loss") is not None]
-    rate = [(r["time"] - start, r["samples_per_s"]) for r in rows if r.get("samples_per_s") is not None]
+def fmt_time(t: Any) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if number(t) is not None and t > 0 else "-"
+
+
+def percent(v: Any) -> str:
+    return "-" if number(v) is None else f"{100 * v:.0f}%"
+
+
+def usd(v: Any) -> str:
+    if number(v) is None:
+        return "-"
+    return "$0" if v == 0 else f"${v:.4f}" if v < 0.01 else f"${v:,.2f}"
+
+
+def duration(seconds: Any) -> str:
+    """3 s, 5 min, 2 h 10 min, 3 d 4 h: as long as it needs to be, no longer."""
+    s = number(seconds)
+    if s is None or s < 0:
+        return "-"
+    if s < 60:
+        return f"{s:.0f} s"
+    if s < 3600:
+        return f"{s // 60:.0f} min {s % 60:.0f} s" if s < 600 else f"{s // 60:.0f} min"
+    if s < 86400:
+        return f"{s // 3600:.0f} h {s % 3600 // 60:.0f} min"
+    return f"{s // 86400:.0f} d {s % 86400 // 3600:.0f} h"
+
+
+def metric(v: Any, digits: int = 4) -> str:
+    n = number(v)
+    if n is None:
+        return "-"
+    return f"{n:.{digits}g}" if abs(n) >= 1e-3 or n == 0 else f"{n:.2e}"
+
+
+# ---------------------------------------------------------------- progress
+
+
+def valid_rows(rows: Sequence[Any]) -> list[dict]:
+    return [r for r in rows if isinstance(r, dict) and number(r.get("time")) is not None
+            and number(r.get("step")) is not None]
+
+
+def eta_s(rows: Sequence[dict], target: Any, since_step: Any = None, window: int = 10) -> float | None:
+    """Seconds to ``target`` at the pace of the latest rows after ``since_step`` (where the last
+    restart resumed: the time before it is no pace of training). A row older than the one after
+    it (the steps were done again later) also ends the window."""
+    rows, target, since = valid_rows(rows), number(target), number(since_step)
+    rows = [r for r in rows if since is None or r["step"] > since]
+    if not rows or target is None:
+        return None
+    tail = [rows[-1]]
+    for r in reversed(rows[:-1]):
+        if len(tail) == window or r["time"] >= tail[-1]["time"]:
+            break
+        tail.append(r)
+    first, last = tail[-1], tail[0]
+    if last["step"] >= target:
+        return 0.0
+    if last["step"] <= first["step"] or last["time"] <= first["time"]:
+        return None
+    return (target - last["step"]) * (last["time"] - first["time"]) / (last["step"] - first["step"])
+
+
+def progress_of(record: dict, rows: Sequence[Any], interruptions: Sequence[Any] = ()) -> dict:
+    """Where a job stands: the latest history row, else the run's summary, else the spec's target."""
+    rows = valid_rows(rows)
+    restored = [number(i.get("restored_step")) for i in interruptions if isinstance(i, dict)]
+    since = max((r for r in restored if r is not None), default=None)
     last = rows[-1] if rows else {}
-    good = "-" if last.get("goodput") is None else f"{100 * last['goodput']:.0f}%"
-    cost = "-" if last.get("cost_usd") is None else f"${last['cost_usd']:.4f}"
-    facts = (f"<p>state <b class='state-{record['state']}'>{record['state']}</b> · step {last.get('step', '-')}"
-             f" · world size {last.get('world_size', '-')} · goodput {good} · cost {cost}"
-             f" · <a href='/'>all jobs</a></p>")
-    charts = (svg_chart("loss-chart", "loss", loss, marks)
-              + svg_chart("throughput-chart", "samples/s", rate, marks))
-    irows = "".join(f"<tr class='interruption-row'><td>{html.escape(str(i.get('cause')))}</td>"
-                    f"<td>{fmt_time(i.get('interrupted_at'))}</td><td>{i.get('steps_lost')}</td>"
-                    f"<td>{i.get('recovery_s')}</td></tr>" for i in interruptions)
-    itable = ("<h2>Interruptions</h2><table id='interruptions'><tr><th>cause</th><th>at</th><th>steps lost</th>"
-              f"<th>recovery s</th></tr>{irows}</table>") if interruptions else "<h2>Interruptions</h2><p>none</p>"
-    crows = "".join(f"<tr class='checkpoint'><td>{c['step']}</td><td>{'complete' if c['complete'] else 'partial'}</td>"
-                    f"<td>{c['size_bytes']}</td><td><code>{html.escape(c['uri'])}</code></td></tr>" for c in checkpoints)
-    ctable = ("<h2>Checkpoints</h2><table id='checkpoints'><tr><th>step</th><th></th><th>bytes</th><th>uri</th></tr>"
-              f"{crows}</table>")
-    return page(f"{record['name']} ({record['id']})",
-                facts + f"<div id='charts'>{charts}</div>" + itable + ctable
-                + f"<h2>Log</h2><pre id='log'>{html.escape(log_tail)}</pre>")
+    summary = record.get("summary") if isinstance(record.get("summary"), dict) else {}
+    training = (record.get("spec") or {}).get("training") or {}
+    step = number(last.get("step"))
+    step = number(summary.get("final_step")) if step is None else step
+    target = number(last.get("target_step")) or number(summary.get("target_step")) or number(training.get("max_steps"))
+    running = record.get("state") in ("RUNNING", "STOPPING")
+    return {"step": step, "target_step": target,
+            "fraction": min(1.0, step / target) if step is not None and target else None,
+            "eta_s": eta_s(rows, target, since) if running else None, "loss": number(last.get("loss")),
+            "samples_per_s": number(last.get("samples_per_s")), "world_size": number(last.get("world_size")),
+            "goodput": number(last.get("goodput", summary.get("goodput"))),
+            "cost_usd": number(last.get("cost_usd", summary.get("cost_usd"))),
+            "as_of": number(last.get("time"))}
+
+
+# ---------------------------------------------------------------- the log
+
+
+def log_lines(text: str) -> list[dict]:
+    """The log as lines a person can read and filter: ANSI codes stripped, each line's source
+    (ours ``etrain``, ``ray`` for Ray's workers, actors and its own logging, else ``other``)
+    and level (error, warning, info, debug). A traceback's lines are errors to its last line."""
+    out, in_traceback = [], False
+    for raw in text.splitlines():
+        line = strip_ansi(raw).rstrip()
+        m = RAY_PREFIX.match(line)
+        body = line[m.end():] if m else line
+        if "[etrain]" in body:
+            source, body = "etrain", body[body.index("[etrain]"):]
+            line = body  # our lines read the same whichever worker printed them
+        elif m or RAY_DRIVER_LOG.match(body) or GLOG.match(body):
+            source = "ray"
+        else:
+            source = "other"
+        stripped = body.strip()
+        if stripped.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        level_match = RAY_DRIVER_LOG.match(body) or GLOG.match(body)
+        if in_traceback or ERROR_WORDS.search(stripped):
+            level = "error"
+        elif level_match:
+            level = GLOG_LEVELS.get(level_match["level"], level_match["level"].lower())
+            level = "warning" if level == "warning" else level
+        elif WARNING_WORDS.search(body):
+            level = "warning"
+        else:
+            level = "info"
+        if in_traceback and re.match(r"^\w[\w.]*(Error|Exception|Exit|Interrupt)\b", stripped):
+            in_traceback = False
+        out.append({"source": source, "level": "error" if level == "critical" else level, "text": line})
+    return out
+
+
+# ---------------------------------------------------------------- the jobs list
+
+
+def jobs_page(tenant: str, rows: Sequence[dict], state: str | None = None, now: float | None = None) -> str:
+    """rows: {id, name, kind, state, progress (progress_of), created_at, updated_at}."""
+    return render("jobs.html", title=f"Jobs of {tenant}", state=state, states=STATES,
+                  table=jobs_table(rows, state, now))
+
+
+def jobs_table(rows: Sequence[dict], state: str | None = None, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    counts = {s: sum(1 for r in rows if r.get("state") == s) for s in STATES}
+    shown = []
+    for r in rows:
+        if state and r.get("state") != state:
+            continue
+        p = r.get("progress") or {}
+        step, target = number(p.get("step")), number(p.get("target_step"))
+        created = number(r.get("created_at"))
+        shown.append({"id": r["id"], "name": r["name"], "kind": r["kind"], "state": r["state"],
+                      "step": "-" if step is None else f"{step:.0f}", "target": "-" if not target else f"{target:.0f}",
+                      "value": step if step is not None and target else None, "max": target,
+                      "percent": percent(p.get("fraction")), "eta": duration(p.get("eta_s")),
+                      "goodput": percent(p.get("goodput")), "cost": usd(p.get("cost_usd")),
+                      "age": duration(now - created) if created is not None else "-",
+                      "updated": fmt_time(r.get("updated_at"))})
+    return render("jobs_table.html", rows=shown, state=state, states=STATES, counts=counts, total=len(rows))
+
+
+# ---------------------------------------------------------------- one job
+
+
+def chart_data(rows: Sequence[Any], interruptions: Sequence[Any]) -> dict:
+    """Series by step for the charts (null where a row lacks a value), and where interruptions happened."""
+    rows = valid_rows(rows)
+    series = {"step": [r["step"] for r in rows]}
+    for key in CHART_SERIES:
+        series[key] = [number(r.get(key)) for r in rows]
+    marks = []
+    for i in interruptions:
+        step = number(i.get("step_reached")) if isinstance(i, dict) else None
+        if step is None:
+            continue
+        before, after = i.get("world_size_before"), i.get("world_size_after")
+        marks.append({"step": step, "cause": str(i.get("cause") or "interruption"),
+                      "label": f"{i.get('cause') or 'interruption'} at step {step:.0f}: "
+                               f"{i.get('steps_lost', '?')} steps lost, world size {before} \u2192 {after}"})
+    return {"series": series, "interruptions": marks}
+
+
+def job_view(record: dict, rows: Sequence[Any], interruptions: Sequence[Any], checkpoints: Sequence[Any],
+             log_text: str) -> dict:
+    """What the page shows, once, for both the page and its data endpoint."""
+    interruptions = [i for i in interruptions if isinstance(i, dict)]
+    p = progress_of(record, rows, interruptions)
+    step, target = p["step"], p["target_step"]
+    summary = {"state": record["state"], "step": "-" if step is None else f"{step:.0f}",
+               "target": "-" if not target else f"{target:.0f}", "value": step if step is not None and target else None,
+               "max": target, "percent": percent(p["fraction"]),
+               "eta": duration(p["eta_s"]) if p["eta_s"] is not None else None,
+               "loss": metric(p["loss"]), "rate": "-" if p["samples_per_s"] is None else f"{p['samples_per_s']:,.0f}",
+               "world_size": "-" if p["world_size"] is None else f"{p['world_size']:.0f}",
+               "goodput": percent(p["goodput"]), "cost": usd(p["cost_usd"]), "as_of": fmt_time(p["as_of"]),
+               "interruptions": len(interruptions), "error": record.get("error")}
+    shown_interruptions = [{"cause": i.get("cause"), "at": fmt_time(i.get("interrupted_at")),
+                            "step": i.get("step_reached"), "steps_lost": i.get("steps_lost"),
+                            "recovery": duration(i.get("recovery_s")),
+                            "world": f"{i.get('world_size_before', '?')} \u2192 {i.get('world_size_after', '?')}"}
+                           for i in interruptions]
+    shown_checkpoints = sorted(
+        ({"step": c.get("step"), "complete": c.get("complete"), "size": size(c.get("size_bytes")),
+          "uri": c.get("uri"), "trial": c.get("trial")} for c in checkpoints if isinstance(c, dict)),
+        key=lambda c: (number(c["step"]) is None, -(number(c["step"]) or 0)))
+    lines = log_lines(log_text)
+    return {"id": record["id"], "name": record["name"], "state": record["state"],
+            "active": record["state"] in ACTIVE_STATES, "summary": summary, "interruptions": shown_interruptions,
+            "checkpoints": shown_checkpoints, "log": lines, "chart": chart_data(rows, interruptions)}
+
+
+def size(v: Any) -> str:
+    n = number(v)
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return "-"
+
+
+PARTS = ("summary", "interruptions", "checkpoints", "log")
+
+
+def job_page(record: dict, rows: Sequence[Any], interruptions: Sequence[Any], checkpoints: Sequence[Any],
+             log_text: str) -> str:
+    view = job_view(record, rows, interruptions, checkpoints, log_text)
+    return render("job.html", title=f"{record['name']} ({record['id']})", view=view,
+                  parts={part: render("job_parts.html", part=part, view=view) for part in PARTS})
+
+
+def job_data(record: dict, rows: Sequence[Any], interruptions: Sequence[Any], checkpoints: Sequence[Any],
+             log_text: str) -> dict:
+    """The data endpoint's answer: chart series, and the page's parts as escaped HTML."""
+    view = job_view(record, rows, interruptions, checkpoints, log_text)
+    return {"id": view["id"], "state": view["state"], "active": view["active"], "chart": view["chart"],
+            "html": {part: render("job_parts.html", part=part, view=view) for part in PARTS}}

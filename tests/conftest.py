@@ -15,12 +15,26 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))  # user-code packages the specs import
+WORKER_PYTHONPATH = os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])  # what Ray's workers import
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def service_state_outside_home(tmp_path_factory):
+    """A service made by a test without a state_dir keeps its records in a session folder,
+    never in this machine's ~/.etrain/service (runs would pile up records and quotas there)."""
+    saved = os.environ.get("ETRAIN_STATE_DIR")
+    os.environ["ETRAIN_STATE_DIR"] = str(tmp_path_factory.mktemp("service-state"))
+    yield
+    if saved is None:
+        os.environ.pop("ETRAIN_STATE_DIR", None)
+    else:
+        os.environ["ETRAIN_STATE_DIR"] = saved
 
 
 @pytest.fixture
@@ -58,7 +72,7 @@ def start_local_ray():
              # Workers hand custom metrics to the node's agent every second (10 s by default), so a
              # short test run shows up in Prometheus.
              _system_config={"metrics_report_interval_ms": 1000},
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])}})
+             runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +108,11 @@ def multi_node():
     # A dead node is noticed in ~2 s instead of ~15 s, so a restart does not wait for its ghost.
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
+        "dashboard_port": free_port(),  # 8265 may be another Ray's on a shared machine
         "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                            "health_check_failure_threshold": 4}})
     nodes = [cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1") for _ in range(2)]
-    ray.init(address=cluster.address)
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     yield cluster, nodes
     ray.shutdown()
     cluster.shutdown()

@@ -176,25 +176,47 @@ def retention_plan(entries: list[Kept], keep_newest: int | None, best_mode: str 
     return sorted(e.step for e in entries if e.step not in keep and e.step <= newest)
 
 
+class RetentionReadError(Exception):
+    """Storage did not answer a read (throttled, timed out): nothing may be concluded from it."""
+
+
+def retention_entry(fs: pafs.FileSystem, path: str, step: int, metric: str | None) -> Kept:
+    """What retention may know of one checkpoint folder, or RetentionReadError.
+
+    Complete means a manifest and every file it lists at its size: Ray uploads a folder file
+    by file, so a manifest can land before the state file it vouches for. Only a missing (or
+    garbled) manifest means incomplete; any other error says nothing about the checkpoint.
+    """
+    try:
+        with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
+            manifest = json.loads(f.read())
+        sizes = {posixpath.basename(i.path): i.size
+                 for i in fs.get_file_info(pafs.FileSelector(path, recursive=False))}
+    except (FileNotFoundError, ValueError):  # never completed, or a garbled manifest
+        return Kept(step, None, False)
+    except OSError as exc:
+        raise RetentionReadError(f"{path}: {exc}") from exc
+    if any(sizes.get(name) != meta["size"] for name, meta in manifest.get("files", {}).items()):
+        return Kept(step, None, False)
+    value = manifest.get("metrics", {}).get(metric) if metric else None
+    return Kept(step, float(value) if value is not None else None, True)
+
+
 def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: str | None,
-          best_mode: str) -> list[int]:
-    """Apply :func:`retention_plan` to the run folder; return the steps deleted."""
+          best_mode: str, say=print) -> list[int]:
+    """Apply :func:`retention_plan` to the run folder; return the steps deleted.
+
+    A read that fails for any reason but absence (S3's 503 SlowDown, a timeout) skips this
+    round: deleting on a guess could remove the best checkpoint. The next checkpoint retries.
+    """
     try:
         infos = fs.get_file_info(pafs.FileSelector(run_path, recursive=False, allow_not_found=True))
-    except FileNotFoundError:
+        paths = {step: info.path for info in infos
+                 if info.type == pafs.FileType.Directory and (step := step_of(posixpath.basename(info.path))) is not None}
+        entries = [retention_entry(fs, path, step, metric) for step, path in paths.items()]
+    except (RetentionReadError, OSError) as exc:
+        say(f"[etrain] retention skipped this round (nothing deleted): could not read {exc}")
         return []
-    entries, paths = [], {}
-    for info in infos:
-        step = step_of(posixpath.basename(info.path))
-        if info.type != pafs.FileType.Directory or step is None:
-            continue
-        paths[step] = info.path
-        try:
-            with fs.open_input_stream(posixpath.join(info.path, MANIFEST)) as f:
-                value = json.loads(f.read()).get("metrics", {}).get(metric) if metric else None
-            entries.append(Kept(step, float(value) if value is not None else None, True))
-        except (FileNotFoundError, OSError, ValueError):
-            entries.append(Kept(step, None, False))
     doomed = retention_plan(entries, keep_newest, best_mode if metric else None)
     for step in doomed:
         fs.delete_dir(paths[step])

@@ -22,6 +22,10 @@ EXAMPLES = """examples:
 A job's name and storage root identify it: running the same spec again resumes it from
 its latest verified checkpoint. Exit codes: 0 reached the target step, 1 failed,
 2 invalid spec, 3 stopped early by --stop-at-step (resumable).
+
+On a terminal, progress is one live line (step/target, loss, samples/s, ETA); piped or
+redirected, it is a plain line per log step. Ray's own log lines are hidden unless
+--verbose (or --log-level debug).
 """
 
 
@@ -32,6 +36,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-at-step", type=int, default=None, metavar="N",
                    help="stop after step N with a checkpoint; run again to resume")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON only")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show Ray's own log lines (worker and controller chatter), hidden by default")
+    p.add_argument("--log-level", choices=["info", "debug"], default="info",
+                   help="debug shows Ray's own log lines too (same as --verbose)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -40,11 +48,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     except SpecError as exc:
         print(exc.render(f"job spec {args.spec}"), file=sys.stderr)
         return 2
+    from trainers.console import Console
     from trainers.launch import run_job
 
-    say = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    verbose = args.verbose or args.log_level == "debug"
     try:
-        code, summary = run_job(spec, stop_at_step=args.stop_at_step, say=say)
+        with Console(sys.stderr if args.json else sys.stdout, verbose=verbose) as console:
+            code, summary = run_job(spec, stop_at_step=args.stop_at_step, say=console.say)
     except SpecError as exc:
         print(exc.render(f"job spec {args.spec}"), file=sys.stderr)
         return 2
@@ -73,7 +83,8 @@ def print_summary(s: dict) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     spec = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
     print(f"[etrain] demo: training {spec.name} on a local Ray (2 gloo DDP workers, local storage)")
-    return cmd_run(argparse.Namespace(spec=str(spec), overrides=args.overrides, stop_at_step=None, json=False))
+    return cmd_run(argparse.Namespace(spec=str(spec), overrides=args.overrides, stop_at_step=None, json=False,
+                                      verbose=args.verbose, log_level="info"))
 
 
 def cmd_storage_init(args: argparse.Namespace) -> int:
@@ -212,6 +223,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     run.set_defaults(fn=cmd_run)
     demo = sub.add_parser("demo", help="run the quickstart job locally and say where its checkpoints went")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    demo.add_argument("-v", "--verbose", action="store_true", help="also show Ray's own log lines")
     demo.set_defaults(fn=cmd_demo)
     from trainers.sweep import EXAMPLES as SWEEP_EXAMPLES, add_sweep_args, cmd_sweep
 

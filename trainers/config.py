@@ -7,6 +7,8 @@ The deployment guide's template (training/distributed/checkpoint) loads unchange
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import json
 import math
@@ -44,10 +46,29 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+REF_PATTERN = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*"
+# Whether validating a spec imports the modules it names. The service turns this off: importing
+# runs a module's code, and the service must never run code a tenant names (it checks the names
+# against the tenant's role instead; the job imports them itself when it starts).
+_IMPORT_REFS: contextvars.ContextVar[bool] = contextvars.ContextVar("import_refs", default=True)
+
+
+@contextlib.contextmanager
+def refs_not_imported():
+    """Validate specs in this block by the shape of ``pkg.module:fn`` only, importing nothing."""
+    token = _IMPORT_REFS.set(False)
+    try:
+        yield
+    finally:
+        _IMPORT_REFS.reset(token)
+
+
 def check_import_ref(ref: str) -> str:
-    """Check that ``pkg.module:attr`` names something importable and callable."""
-    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", ref):
+    """Check that ``pkg.module:attr`` names something importable and callable (or only its shape)."""
+    if not re.fullmatch(REF_PATTERN, ref):
         raise ValueError("must look like 'package.module:function'")
+    if not _IMPORT_REFS.get():
+        return ref
     module_name, attr = ref.split(":")
     try:
         module = importlib.import_module(module_name)
@@ -163,7 +184,8 @@ class CheckpointConfig(Strict):
     interval: int = Field(1000, gt=0, description="steps between checkpoints; one is always taken at the end")
     path: str = Field(
         "checkpoints/model_{step}.pt",
-        description="checkpoint file inside the job's folder under the storage root; a leading / means the job folder",
+        description="checkpoint file: relative, inside the job's folder under the storage root; absolute "
+                    "(/checkpoints/model_{step}.pt), that directory on every node (a shared volume) is the job's folder",
     )
     storage_root: str = Field(default_factory=default_root, description="local directory or s3://bucket/prefix")
     num_to_keep: int | None = Field(3, gt=0, description="newest complete checkpoints kept (null: all)")
@@ -184,14 +206,17 @@ class CheckpointConfig(Strict):
         if "://" in v:
             raise ValueError("is a URI: put the bucket or directory in checkpoint.storage_root; path is a file name")
         rel = posixpath.normpath(v.lstrip("/"))
-        if rel.startswith("..") or rel in (".", ""):
+        if v.startswith("/") and posixpath.dirname(posixpath.normpath(v)) == "/":
+            raise ValueError("an absolute path names the job's folder: give one, e.g. '/checkpoints/model_{step}.pt'")
+        if not v.startswith("/") and (rel.startswith("..") or rel in (".", "")):
             raise ValueError("escapes the job's folder: use a path like 'checkpoints/model_{step}.pt' without '..'")
         if not rel.endswith(".pt"):
             raise ValueError("must name a .pt file, e.g. 'checkpoints/model_{step}.pt'")
-        try:
-            rel.format(step=0)
-        except (KeyError, IndexError, ValueError):
-            raise ValueError("only the {step} placeholder is allowed") from None
+        # Only the literal '{step}': a format spec such as '{step:>2000000000}' would make
+        # every str.format of the path allocate gigabytes.
+        if re.search(r"[{}]", v.replace("{step}", "")):
+            raise ValueError("only the placeholder '{step}' is allowed, written exactly so (no format spec): "
+                             "e.g. 'checkpoints/model_{step}.pt'")
         return v
 
     @field_validator("storage_root")
@@ -204,7 +229,7 @@ class CheckpointConfig(Strict):
 
     @property
     def run_folder(self) -> str:
-        """The folder (relative to the job folder) where Ray Train keeps the checkpoints."""
+        """The folder (relative to the job folder) where Ray Train keeps the checkpoints of a relative path."""
         return posixpath.dirname(posixpath.normpath(self.path.lstrip("/"))) or "checkpoints"
 
     def file_name(self, step: int) -> str:
@@ -436,23 +461,132 @@ def format_errors(exc: ValidationError, root: type[BaseModel] | None = None, pre
     return lines
 
 
-def parse_text(text: str, source: str) -> dict:
-    """Parse JSON or YAML text into a mapping; syntax errors name the line and column."""
+# What a spec may look like before it is even read: a job spec has a few hundred values at most.
+MAX_DEPTH = 32
+MAX_NODES = 20_000
+MAX_INT_DIGITS = 30
+
+
+class _SpecLoader(yaml.CSafeLoader):
+    """libyaml's C loader with whole numbers capped (Python would build a 10,000-digit int)."""
+
+    def construct_bounded_int(self, node: yaml.ScalarNode) -> int:
+        if len(node.value.lstrip("+-").replace("_", "")) > MAX_INT_DIGITS:
+            raise SpecError([f"line {node.start_mark.line + 1}: a number of {len(node.value)} digits: "
+                             f"numbers in a spec have at most {MAX_INT_DIGITS} digits"])
+        return self.construct_yaml_int(node)
+
+    def construct_timestamp_text(self, node: yaml.ScalarNode) -> str:
+        """A date or time as written: a spec is stored as JSON, which has no dates."""
+        return self.construct_scalar(node)
+
+
+_SpecLoader.add_constructor("tag:yaml.org,2002:int", _SpecLoader.construct_bounded_int)
+_SpecLoader.add_constructor("tag:yaml.org,2002:timestamp", _SpecLoader.construct_timestamp_text)
+
+# What YAML can hold and JSON cannot (the spec is stored and passed on as JSON), by the tag a user wrote.
+_NOT_JSON = {bytes: "binary data (!!binary)", set: "a set (!!set)"}
+
+
+def _json_unsafe(data: Any) -> str | None:
+    """Where ``data`` holds a value (or a key) JSON cannot, as 'path: what', or None; walked without recursion."""
+    stack = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            for key, child in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if not isinstance(key, (str, int, float, bool)) and key is not None:
+                    return f"{where}: {_NOT_JSON.get(type(key), type(key).__name__)} as a key"
+                stack.append((child, where))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(value))
+        elif not isinstance(value, (str, int, float, bool)) and value is not None:
+            return f"{path or '(top level)'}: {_NOT_JSON.get(type(value), type(value).__name__)}"
+    return None
+
+
+def _yaml_shape_problem(text: str) -> str | None:
+    """Why YAML text may not be loaded (aliases, depth, size), from libyaml's events, or None.
+
+    Aliases are refused outright: six lines of them expand to megabytes. The event stream is
+    flat (libyaml keeps its own stack), so this pass cannot recurse however deep the text nests.
+    """
+    depth = nodes = 0
+    for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+        where = f"line {event.start_mark.line + 1}"
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            return f"{where}: YAML anchors and aliases (& and *) are not accepted: write the values out"
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                return f"{where}: nested deeper than {MAX_DEPTH} levels: a job spec is a few levels deep"
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+        if isinstance(event, yaml.NodeEvent):
+            nodes += 1
+            if nodes > MAX_NODES:
+                return f"{where}: more than {MAX_NODES} values: a job spec has a few hundred"
+    return None
+
+
+def _bounded_json_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise SpecError([f"a number of {len(digits)} digits: numbers in a spec have at most {MAX_INT_DIGITS} digits"])
+    return int(digits)
+
+
+def _json_shape_problem(data: Any) -> str | None:
+    """Depth and size of parsed JSON, walked without recursion."""
+    nodes, stack = 0, [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_DEPTH:
+            return f"nested deeper than {MAX_DEPTH} levels: a job spec is a few levels deep"
+        if nodes > MAX_NODES:
+            return f"more than {MAX_NODES} values: a job spec has a few hundred"
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+def parse_text(text: str, source: str, fmt: Literal["auto", "json"] = "auto") -> dict:
+    """Parse JSON or YAML text into a mapping; syntax errors name the line and column.
+
+    Bounded on every input: no YAML aliases, at most MAX_DEPTH levels, MAX_NODES values and
+    MAX_INT_DIGITS digits per number, so a small body can neither blow up nor crash the parser.
+    """
     stripped = text.lstrip()
     if not stripped:
         raise SpecError([f"{source}: the file is empty: write a job spec (see configs/)"])
     try:
-        if stripped.startswith("{"):
-            data = json.loads(text)
+        if fmt == "json" or stripped.startswith("{"):
+            data = json.loads(text, parse_int=_bounded_json_int)
+            problem = _json_shape_problem(data)
         else:
-            data = yaml.safe_load(text)
+            problem, data = _yaml_shape_problem(text), None
+            if not problem:
+                data = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a safe loader)
+                unsafe = _json_unsafe(data)
+                if unsafe:
+                    problem = (f"{unsafe}: a spec holds text, numbers, true/false, lists and mappings only: "
+                               "write the value as a string")
+    except SpecError as exc:
+        raise SpecError([f"{source}: {p}" for p in exc.problems]) from None
     except json.JSONDecodeError as exc:
         raise SpecError([f"{source}: line {exc.lineno}, column {exc.colno}: {exc.msg}: fix the JSON syntax"]) from None
+    except RecursionError:
+        raise SpecError([f"{source}: nested deeper than {MAX_DEPTH} levels: a job spec is a few levels deep"]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
         problem = getattr(exc, "problem", None) or str(exc)
         raise SpecError([f"{source}: {where}: {problem}: fix the YAML syntax"]) from None
+    except ValueError as exc:  # what the parsers raise for values they cannot hold (e.g. a huge exponent)
+        raise SpecError([f"{source}: {exc}: fix the value"]) from None
+    if problem:
+        raise SpecError([f"{source}: {problem}"])
     if not isinstance(data, dict):
         raise SpecError([f"{source}: top level is {type(data).__name__}: a job spec is a mapping of sections"])
     return data

@@ -39,12 +39,13 @@ class BatchPlan:
     """The deterministic list of global batches of each epoch.
 
     ``lengths`` (one per sample) turns on length bucketing: batches group similar lengths.
-    The last, short batch of an epoch is kept if it can give every worker a sample
-    (``min_batch`` = the most workers the job may have), else merged into the one before.
+    The last, short batch of an epoch is merged into the one before: every step then has at
+    least a global batch (so every worker gets samples), and the plan depends on the data,
+    the global batch and the seed only, never on how many workers the job may have.
     """
 
     def __init__(self, num_samples: int, global_batch: int, seed: int, shuffle: bool = True,
-                 lengths: Sequence[int] | None = None, min_batch: int = 1):
+                 lengths: Sequence[int] | None = None):
         if num_samples < global_batch:
             raise ValueError(
                 f"the data set has {num_samples} samples, fewer than one global batch ({global_batch}): "
@@ -55,7 +56,6 @@ class BatchPlan:
         self.seed = seed
         self.shuffle = shuffle
         self.lengths = np.asarray(lengths) if lengths is not None else None
-        self.min_batch = min_batch
         self._epochs: dict[int, tuple[tuple[int, ...], ...]] = {}
         self.steps_per_epoch = len(self.epoch_batches(0))
 
@@ -77,7 +77,7 @@ class BatchPlan:
             order = [i for s in range(0, len(order), bucket)
                      for i in sorted(order[s:s + bucket], key=lambda i: (self.lengths[i], i))]
         batches = [order[s:s + b] for s in range(0, len(order), b)]
-        if len(batches) > 1 and len(batches[-1]) < self.min_batch:
+        if len(batches) > 1 and len(batches[-1]) < b:
             batches[-2].extend(batches.pop())
         if self.lengths is not None and self.shuffle:
             rng.shuffle(batches)

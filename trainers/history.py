@@ -14,7 +14,7 @@ import time
 from cluster.storage import StorageRoot
 
 HISTORY_DIR = "metrics"
-ROW_KEYS = ("step", "epochs_done", "loss", "learning_rate", "samples_per_s", "tokens_per_s", "world_size",
+ROW_KEYS = ("step", "target_step", "epochs_done", "loss", "learning_rate", "samples_per_s", "tokens_per_s", "world_size",
             "data_wait_fraction", "step_time_s", "goodput", "cost_usd", "savings_usd", "checkpoint_save_s", "checkpoint_report_s")
 
 
@@ -47,8 +47,20 @@ def read_history(root: StorageRoot, job: str) -> list[dict]:
         if not info.path.endswith(".jsonl"):
             continue
         with root.fs.open_input_stream(info.path) as f:
-            for line in f.read().decode().splitlines():
-                row = json.loads(line)
-                if row["step"] not in by_step or row["time"] >= by_step[row["step"]]["time"]:
+            for line in f.read().decode(errors="replace").splitlines():
+                row = _row(line)
+                if row and (row["step"] not in by_step or row["time"] >= by_step[row["step"]]["time"]):
                     by_step[row["step"]] = row
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _row(line: str) -> dict | None:
+    """A history row, or None for a line that is not one (the job writes these files: readers,
+    the service among them, must not trip over a damaged or hostile line)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    ok = (isinstance(row, dict) and type(row.get("step")) is int and isinstance(row.get("time"), (int, float))
+          and not isinstance(row.get("time"), bool))
+    return row if ok else None

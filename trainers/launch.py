@@ -5,6 +5,8 @@ Layout under the storage root, per job name (same name + root = resume that job)
     <root>/<name>/summary.json                 the run summary (also printed)
     <root>/<name>/<checkpoint folder>/         Ray Train's run folder: checkpoint_<step>/ ...
     <root>/datasets/                           built-in data converted to Parquet on first use
+
+An absolute ``checkpoint.path`` moves the job's folder there (see trainers.home).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from cluster.capacity import gpu_capacity
 from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, SpecError
+from trainers.home import JobHome, job_home
 from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, should_retry
 from trainers.workloads import resolve
 
@@ -124,18 +127,12 @@ def ensure_ray(num_workers: int) -> bool:
     return True
 
 
-def run_paths(spec: JobSpec, root: StorageRoot) -> tuple[str, str]:
-    """(storage_path, name) for Ray's RunConfig, so checkpoints land in <root>/<job>/<folder>."""
-    folder = posixpath.join(spec.name, spec.checkpoint.run_folder)
-    return root.path(posixpath.dirname(folder)), posixpath.basename(folder)
-
-
-def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: str,
+def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
                   stop_at_step: int | None, run_id: str = "", previous_failure: str | None = None,
                   callbacks: tuple = (), submitted_at: float | None = None) -> TorchTrainer:
     from trainers.loop import train_loop_per_worker
 
-    storage_path, run_name = run_paths(spec, root)
+    storage_path, run_name = home.ray_paths()
     d = spec.distributed
     # Ray Train propagates its RAY_TRAIN_* settings from the driver to its controller.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(spec.fault_tolerance.worker_start_timeout_s))
@@ -148,8 +145,8 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
     return TorchTrainer(
         loop,
         train_loop_config={
-            "spec": spec.model_dump(mode="json"), "data_uri": data_uri, "storage_uri": root.uri,
-            "run_path": posixpath.join(storage_path, run_name), "stop_at_step": stop_at_step,
+            "spec": spec.model_dump(mode="json"), "data_uri": data_uri, "storage_uri": home.root.uri,
+            "job_dir": home.job, "job_key": home.key, "run_path": home.run_path, "stop_at_step": stop_at_step,
             "mixed_precision": runtime.mixed_precision,
             "run_id": run_id, "previous_failure": previous_failure, "attempt_started_at": time.time(),
             "submitted_at": submitted_at,
@@ -159,11 +156,11 @@ def build_trainer(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: 
                                      resources_per_worker=d.resources_per_worker,
                                      elastic_resize_monitor_interval_s=d.resize_check_interval_s),
         run_config=RunConfig(
-            name=run_name, storage_path=storage_path, storage_filesystem=root.fs, callbacks=list(callbacks),
+            name=run_name, storage_path=storage_path, storage_filesystem=home.root.fs, callbacks=list(callbacks),
             # Every failure comes back to run_attempts, which knows a lost node from a user error
-            # (Ray would charge both to max_failures). Preemptions too: Ray's in-place restart
-            # plans the new group from a node list refreshed only every 20 s and waits for the
-            # drained node's ghost; a fresh controller sees the cluster as it is.
+            # (Ray would charge both to max_failures). Preemptions too: before the next attempt
+            # it waits for the drained node to leave and refreshes Ray Train's node list
+            # (settle_cluster_view), which Ray's in-place restart would read up to 20 s stale.
             failure_config=FailureConfig(max_failures=0, max_preemption_failures=0),
             # Retention is ours (newest N plus the best by a metric, never a partial one): Ray keeps all.
             checkpoint_config=CheckpointConfig(num_to_keep=None),
@@ -185,9 +182,10 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
     """
     started = time.time()
     root = preflight(spec)
+    home = job_home(spec)
     started_ray = ensure_ray(spec.distributed.max_workers)
     run_id = uuid.uuid4().hex[:12]
-    stop_flag = StopFlag(spec.name)
+    stop_flag = StopFlag(home.key)
     stop_flag.clear()  # a stop asked of an earlier run must not stop this one
     restore_sigterm = stop_on_sigterm(stop_flag, say)
     try:
@@ -196,15 +194,16 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
         for note in runtime.notes:
             say(f"[etrain] note: {note}")
         data_uri = data_uri or resolve(spec).prepare(spec, root)
-        submitted_at = first_submitted_at(root, spec.name, started)
-        say(f"[etrain] job {spec.name!r}: storage {root.uri_of(spec.name)}, data {data_uri or spec.data.factory}")
-        metrics, checkpoint_uri, error = run_attempts(spec, root, runtime, data_uri, stop_at_step, run_id, say,
+        submitted_at = first_submitted_at(home, started)
+        say(f"[etrain] job {spec.name!r}: storage {home.uri}, checkpoints {home.run_uri}, "
+            f"data {data_uri or spec.data.factory}")
+        metrics, checkpoint_uri, error = run_attempts(spec, home, runtime, data_uri, stop_at_step, run_id, say,
                                                       callbacks, submitted_at)
         c = spec.checkpoint  # the loop prunes as it goes; the last async uploads land after it stops
-        ckpt.prune(root.fs, posixpath.join(*run_paths(spec, root)), c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
-        summary = make_summary(spec, root, metrics, checkpoint_uri, error, time.time() - started)
-        summary["interruptions"] = [r for r in read_interruptions(root, spec.name) if r.get("run_id") == run_id]
-        root.write_json(summary, spec.name, "summary.json")
+        ckpt.prune(home.root.fs, home.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode, say=say)
+        summary = make_summary(spec, home, metrics, checkpoint_uri, error, time.time() - started)
+        summary["interruptions"] = [r for r in read_interruptions(home) if r.get("run_id") == run_id]
+        home.root.write_json(summary, home.job, "summary.json")
     finally:
         restore_sigterm()
         if started_ray:
@@ -217,12 +216,12 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
 JOB_FILE = "job.json"
 
 
-def first_submitted_at(root: StorageRoot, job: str, now: float) -> float:
+def first_submitted_at(home: JobHome, now: float) -> float:
     """When the job was first submitted (the service records it; else its first run): goodput's clock."""
-    if not root.exists(job, JOB_FILE):
-        root.write_json({"submitted_at": now}, job, JOB_FILE)
+    if not home.root.exists(home.job, JOB_FILE):
+        home.root.write_json({"submitted_at": now}, home.job, JOB_FILE)
         return now
-    return float(root.read_json(job, JOB_FILE)["submitted_at"])
+    return float(home.root.read_json(home.job, JOB_FILE)["submitted_at"])
 
 
 def stop_on_sigterm(flag: StopFlag, say):
@@ -241,7 +240,7 @@ def stop_on_sigterm(flag: StopFlag, say):
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
-def run_attempts(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: str, stop_at_step: int | None,
+def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, stop_at_step: int | None,
                  run_id: str, say, callbacks: tuple = (), submitted_at: float | None = None
                  ) -> tuple[dict, str | None, BaseException | None]:
     """The one place that carries out retry decisions: fit, classify a failure, retry or stop."""
@@ -250,14 +249,16 @@ def run_attempts(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: s
     previous: str | None = None
     while True:
         if not spec.train_loop:
-            forget_ray_snapshot(spec, root)
+            forget_ray_snapshot(home)
         try:
-            trainer = build_trainer(spec, root, runtime, data_uri, stop_at_step, run_id, previous, callbacks,
+            trainer = build_trainer(spec, home, runtime, data_uri, stop_at_step, run_id, previous, callbacks,
                                     submitted_at)
-            result = trainer.fit()
+            with NodeWatch(spec.distributed.resize_check_interval_s,
+                           enabled=spec.distributed.min_workers != spec.distributed.max_workers):
+                result = trainer.fit()
             if result.metrics:
                 return dict(result.metrics), result.checkpoint and result.checkpoint.path, None
-            return latest_metrics(spec, root)  # the job was already at its target: nothing ran
+            return latest_metrics(home)  # the job was already at its target: nothing ran
         except Exception as exc:  # boundary: decide below whether this attempt's failure is retried
             error = exc
         kind = classify_failure(error)
@@ -270,13 +271,74 @@ def run_attempts(spec: JobSpec, root: StorageRoot, runtime: Runtime, data_uri: s
             return {}, None, error
         say(f"[etrain] attempt failed: {kind.replace('_', ' ')} ({first_line}); "
             "retrying from the newest verified checkpoint")
+        if kind in ("node_lost", "preemption"):
+            settle_cluster_view(error, say)
         previous = kind
+
+
+class NodeWatch:
+    """While an elastic job runs: when Ray's set of live nodes changes, have Ray Train's planner
+    read it at once (cluster.ray_adapter), so a node that joins is used within
+    ``distributed.resize_check_interval_s`` plus start-up, not after the planner's own 20 s refresh.
+    """
+
+    def __init__(self, interval_s: float, enabled: bool = True):
+        self.interval_s, self.enabled = max(0.5, min(interval_s, 5.0)), enabled
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def live_nodes() -> frozenset[str]:
+        return frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"])
+
+    def _run(self) -> None:
+        from cluster import ray_adapter
+
+        seen = self.live_nodes()
+        while not self._stop.wait(self.interval_s):
+            try:
+                now = self.live_nodes()
+                if now != seen:
+                    ray_adapter.refresh_cluster_view()
+                    seen = now
+            except Exception as exc:  # boundary: a missed refresh only delays a resize; try again next tick
+                print(f"[etrain] note: node watch: {type(exc).__name__}: {exc}", flush=True)
+
+    def __enter__(self) -> "NodeWatch":
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name="etrain-node-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 1)
+
+
+def settle_cluster_view(error: BaseException, say, gone_timeout_s: float = 60.0) -> None:
+    """Before the next attempt is planned: wait (bounded) until preempted nodes have left Ray's
+    node list, then make Ray Train's planner read the list now. Otherwise the restart is planned
+    for the drained node and waits out fault_tolerance.worker_start_timeout_s (bench/preemption.py)."""
+    from ray.train.v2.api.exceptions import PreemptionError
+
+    from cluster import ray_adapter
+
+    leaving = set(error.preemption_info.preempted_node_ids) if isinstance(error, PreemptionError) else set()
+    deadline = time.monotonic() + gone_timeout_s
+    while leaving and time.monotonic() < deadline and any(n["Alive"] and n["NodeID"] in leaving for n in ray.nodes()):
+        time.sleep(0.2)
+    try:
+        ray_adapter.refresh_cluster_view()
+    except Exception as exc:  # boundary: a stale plan only costs time; say so and go on
+        say(f"[etrain] note: could not refresh Ray Train's view of the nodes ({type(exc).__name__}: {exc}); "
+            "the restart may wait out fault_tolerance.worker_start_timeout_s")
 
 
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 
 
-def forget_ray_snapshot(spec: JobSpec, root: StorageRoot) -> None:
+def forget_ray_snapshot(home: JobHome) -> None:
     """Start Ray Train's bookkeeping afresh; our loop restores by listing and verifying.
 
     Ray keeps a snapshot of the checkpoints it was told about and refuses to start when one
@@ -284,25 +346,26 @@ def forget_ray_snapshot(spec: JobSpec, root: StorageRoot) -> None:
     snapshot is Ray's documented way to start anew. A user's own ``train_loop`` keeps it,
     since it resumes through ``ray.train.get_checkpoint()``.
     """
-    path = posixpath.join(*run_paths(spec, root), RAY_SNAPSHOT_FILE)
-    if root.fs.get_file_info(path).type != pafs.FileType.NotFound:
-        root.fs.delete_file(path)
+    path = posixpath.join(home.run_path, RAY_SNAPSHOT_FILE)
+    if home.root.fs.get_file_info(path).type != pafs.FileType.NotFound:
+        home.root.fs.delete_file(path)
 
 
-def latest_metrics(spec: JobSpec, root: StorageRoot) -> tuple[dict, str | None, None]:
+def latest_metrics(home: JobHome) -> tuple[dict, str | None, None]:
     """The metrics and path of the newest verified checkpoint, from its manifest."""
-    chosen, _ = ckpt.find_restore(root.fs, posixpath.join(*run_paths(spec, root)))
+    chosen, _ = ckpt.find_restore(home.root.fs, home.run_path)
     if chosen is None:
         return {}, None, None
-    manifest, _ = ckpt.verify(root.fs, chosen.path)
+    manifest, _ = ckpt.verify(home.root.fs, chosen.path)
     return dict(manifest.get("metrics", {})), chosen.path, None
 
 
-def read_interruptions(root: StorageRoot, job: str) -> list[dict]:
+def read_interruptions(home: JobHome) -> list[dict]:
+    root, job = home.root, home.job
     return root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else []
 
 
-def make_summary(spec: JobSpec, root: StorageRoot, metrics: dict, checkpoint_path: str | None,
+def make_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_path: str | None,
                  error: BaseException | None, wall_time_s: float) -> dict:
     target = metrics.get("target_step", spec.training.max_steps)
     final = metrics.get("step")
@@ -312,9 +375,10 @@ def make_summary(spec: JobSpec, root: StorageRoot, metrics: dict, checkpoint_pat
         status = "stopped"
     else:
         status = "succeeded"
+    root = home.root
     checkpoint_uri = None
     if checkpoint_path:
-        checkpoint_uri = root.uri_of(checkpoint_path[len(root.base) + 1:]) if checkpoint_path.startswith(root.base) else checkpoint_path
+        checkpoint_uri = root.uri_of(checkpoint_path[len(root.base):].lstrip("/")) if checkpoint_path.startswith(root.base) else checkpoint_path
     return {
         "name": spec.name, "status": status, "final_step": final, "target_step": target,
         "global_batch_size": spec.training.batch_size, "world_size": metrics.get("world_size"),
@@ -322,6 +386,6 @@ def make_summary(spec: JobSpec, root: StorageRoot, metrics: dict, checkpoint_pat
         "train_seconds": metrics.get("train_seconds"), "wall_time_s": round(wall_time_s, 2),
         "goodput": metrics.get("goodput"), "cost_usd": metrics.get("cost_usd"),
         "savings_usd": metrics.get("savings_usd"),
-        "checkpoint_uri": checkpoint_uri, "storage": root.uri_of(spec.name),
+        "checkpoint_uri": checkpoint_uri, "storage": home.uri,
         "interruptions": [], "error": None if error is None else f"{type(error).__name__}: {error}",
     }

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import shutil
 import tempfile
 import time
 
@@ -32,6 +34,7 @@ from ray.train import Checkpoint, CheckpointUploadMode
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, batching_summary
+from trainers.console import progress_line
 from trainers.data import BatchPlan, PlanSampler, StepMicroBatches, make_loader
 from cluster.metrics import node_kind
 from trainers.observe import Observer, group_kinds
@@ -67,6 +70,13 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step) * 1_009 + rank
 
 
+def plan_for(spec: JobSpec, dataset) -> BatchPlan:
+    """The job's order of global batches: what a resume must find again, whatever the workers."""
+    lengths = getattr(dataset, "lengths", None)
+    return BatchPlan(len(dataset), spec.training.batch_size, spec.training.seed, spec.data.shuffle,
+                     lengths=lengths if spec.data.dynamic_batching else None)
+
+
 def train_loop_per_worker(config: dict) -> None:
     spec = JobSpec.model_validate(config["spec"])
     t, d = spec.training, spec.distributed
@@ -74,13 +84,12 @@ def train_loop_per_worker(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
     root = open_root(config["storage_uri"])
+    job, job_key = config["job_dir"], config["job_key"]  # the job's folder under root, its name in Ray's KV
     run_path = config["run_path"]
 
     workload = resolve(spec)
     dataset = workload.dataset(spec, config["data_uri"])
-    lengths = getattr(dataset, "lengths", None)
-    plan = BatchPlan(len(dataset), t.batch_size, t.seed, spec.data.shuffle,
-                     lengths=lengths if spec.data.dynamic_batching else None, min_batch=d.max_workers)
+    plan = plan_for(spec, dataset)
     target = target_step(spec, plan.steps_per_epoch)
     stop = min(target, config.get("stop_at_step") or target)
 
@@ -132,18 +141,18 @@ def train_loop_per_worker(config: dict) -> None:
               f"(micro-batch {micro} x {accum} accumulation{', dynamic by tokens' if spec.data.dynamic_batching else ''}); "
               f"steps {start} -> {stop} of {target}, {plan.steps_per_epoch} per epoch", flush=True)
 
-    beats = Heartbeats(spec.name, config.get("run_id") or "", HEARTBEAT_INTERVAL_S) if rank == 0 else None
-    stop_flag = StopFlag(spec.name) if rank == 0 else None
+    beats = Heartbeats(job_key, config.get("run_id") or "", HEARTBEAT_INTERVAL_S) if rank == 0 else None
+    stop_flag = StopFlag(job_key) if rank == 0 else None
     kinds = [(ray.get_runtime_context().get_node_id(), own_node_kind())]
     if world > 1:  # once per attempt: which nodes the group runs on, for its cost
         gathered = [None] * world
         dist.all_gather_object(gathered, kinds[0])
         kinds = gathered
+    staging = staging_folder(job_key) if rank == 0 else None
     observer = Observer(spec, root, rank, device, config.get("submitted_at") or time.time(), restored,
-                        group_kinds(kinds))
+                        group_kinds(kinds), job=job, staging=staging)
     if rank == 0:
-        observer.interruptions(root.read_json(spec.name, INTERRUPTIONS_FILE)
-                               if root.exists(spec.name, INTERRUPTIONS_FILE) else [])
+        observer.interruptions(root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else [])
     pending = beats.last() if beats else None  # the attempt before this one died at its last beat
 
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config["mixed_precision"])
@@ -158,125 +167,147 @@ def train_loop_per_worker(config: dict) -> None:
     batches = iter(loader)
     model.train()
 
-    for step in range(start, stop):
-        torch.manual_seed(step_seed(t.seed, step, rank))
-        shares = steps.at(step)
-        global_samples = len(plan.global_batch_at(step))
-        scale = world / global_samples
-        for i in range(len(shares)):
-            waited = time.perf_counter()
-            batch = _to_device(next(batches), device)
-            observer.loader_wait(time.perf_counter() - waited)
-            sync = contextlib.nullcontext() if (i == len(shares) - 1 or world == 1) else model.no_sync()
-            with sync:
-                with autocast():
-                    loss_sum, n, tokens = workload.loss_sum(model, batch)
-                scaler.scale(loss_sum * scale).backward()
-            window[0] += loss_sum.detach().double()
-            window[1] += n
-            window[2] += tokens
-        if t.grad_clip_norm:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        done = step + 1
-        observer.step_done(done)
-        if steady_start is None:
-            steady_start = time.perf_counter()  # the first step pays for warm-up; measure after it
-            if pending is not None:
-                launcher_cause = config.get("previous_failure") if pending.time < config.get("attempt_started_at", 0) else None
-                record_interruption(root, spec.name, pending, start, world, launcher_cause)
-                observer.interruptions(root.read_json(spec.name, INTERRUPTIONS_FILE))
-        else:
-            steady_samples += global_samples
-        if beats:
-            beats.beat(done, world)
+    try:
+        for step in range(start, stop):
+            torch.manual_seed(step_seed(t.seed, step, rank))
+            shares = steps.at(step)
+            global_samples = len(plan.global_batch_at(step))
+            scale = world / global_samples
+            for i in range(len(shares)):
+                waited = time.perf_counter()
+                batch = _to_device(next(batches), device)
+                observer.loader_wait(time.perf_counter() - waited)
+                sync = contextlib.nullcontext() if (i == len(shares) - 1 or world == 1) else model.no_sync()
+                with sync:
+                    with autocast():
+                        loss_sum, n, tokens = workload.loss_sum(model, batch)
+                    scaler.scale(loss_sum * scale).backward()
+                window[0] += loss_sum.detach().double()
+                window[1] += n
+                window[2] += tokens
+            if t.grad_clip_norm:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            done = step + 1
+            observer.step_done(done)
+            if steady_start is None:
+                steady_start = time.perf_counter()  # the first step pays for warm-up; measure after it
+                if pending is not None:
+                    launcher_cause = config.get("previous_failure") if pending.time < config.get("attempt_started_at", 0) else None
+                    record_interruption(root, job, pending, start, world, launcher_cause)
+                    observer.interruptions(root.read_json(job, INTERRUPTIONS_FILE))
+                # Paid from the moment the attempt before died (or this run started): nothing goes unbilled.
+                observer.open_cost_segment(config.get("run_id") or "", pending.time if pending else
+                                           config.get("attempt_started_at") or time.time(),
+                                           pending.time if pending else None)
+            else:
+                steady_samples += global_samples
+            if beats:
+                beats.beat(done, world)
 
-        # A barrier on every rank (so every rank checks at the same steps); set by a node drain.
-        preemption = ray.train.get_preemption_info() if not jit_taken and done % preempt_every == 0 else None
-        is_ckpt = done == stop or preemption is not None or (
-            done % ckpt_every == 0 and checkpoint_due(time.monotonic() - last_ckpt_at, min_gap_s, world, device))
-        if not (is_ckpt or done % log_every == 0):
-            continue
-        if stop_flag is not None and stop_flag.requested():
-            window[3] = 1.0  # rides on the all-reduce below: every rank learns it at this step
-        if world > 1:
-            dist.all_reduce(window)
-        now = time.perf_counter()
-        loss_total, samples, tokens, stop_votes = window.tolist()
-        stop_now = stop_votes > 0
-        is_ckpt = is_ckpt or stop_now
-        elapsed = now - window_start
-        steady_s = now - steady_start
-        cursor = plan.cursor(done)
-        seen = cursor.epoch * plan.num_samples + cursor.position
-        metrics = {
-            "step": done, "target_step": target, "epoch": cursor.epoch,
-            "samples_seen": seen, "epochs_done": seen / plan.num_samples,
-            "loss": loss_total / max(samples, 1), "learning_rate": scheduler.get_last_lr()[0],
-            "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed,
-            "steady_samples_per_s": steady_samples / steady_s if steady_s > 0 and steady_samples else samples / elapsed,
-            "world_size": world, "global_batch_size": t.batch_size, "micro_batch_size": micro,
-            "grad_accum_steps": accum, "train_seconds": now - run_start,
-        }
-        window.zero_()
-        window_start = now
-        observer.log_step(metrics, elapsed)
-        if rank == 0:
-            eta = (target - done) / max(1e-9, (done - start) / (now - run_start))
-            print(f"[etrain] step {done}/{target} ({100 * done / target:.0f}%) loss {metrics['loss']:.4f} "
-                  f"lr {metrics['learning_rate']:.2e} {metrics['samples_per_s']:.0f} samples/s"
-                  + (f" {metrics['tokens_per_s']:.0f} tokens/s" if tokens else "")
-                  + f" eta {_hms(eta)}", flush=True)
-        if not is_ckpt:
-            continue
-        in_sync = params_in_sync(model, world)
-        metrics["params_in_sync"] = in_sync
-        if not in_sync:
-            raise RuntimeError(
-                f"step {done}: DDP replicas hold different parameters (the guide's 'parameters out of sync'): "
-                "check that every worker runs the same model code and that nothing changes parameters "
-                "outside the optimizer step; WORLD_SIZE and RANK are set by Ray, do not set them yourself")
-        # Only checkpoints go through ray.train.report: it is a barrier on every rank and Ray's
-        # controller drains one report per poll (about 2 s), so reporting more often stalls training.
-        checkpoint = None
-        if rank == 0:
-            directory = tempfile.mkdtemp(prefix="etrain-ckpt-")  # outlives report() for async upload
-            state = {
-                "format": ckpt.FORMAT_VERSION, "step": done, "cursor": vars(cursor),
-                "model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                "world_size": world, "global_batch_size": t.batch_size,
-                "rng": {"scheme": "torch.manual_seed(step_seed(seed, step, rank)) each step", "seed": t.seed},
-                "metrics": metrics, "observer": observer.checkpoint_state(),
+            # A barrier on every rank (so every rank checks at the same steps); set by a node drain.
+            preemption = ray.train.get_preemption_info() if not jit_taken and done % preempt_every == 0 else None
+            is_ckpt = done == stop or preemption is not None or (
+                done % ckpt_every == 0 and checkpoint_due(time.monotonic() - last_ckpt_at, min_gap_s, world, device))
+            if not (is_ckpt or done % log_every == 0):
+                continue
+            if stop_flag is not None and stop_flag.requested():
+                window[3] = 1.0  # rides on the all-reduce below: every rank learns it at this step
+            if world > 1:
+                dist.all_reduce(window)
+            now = time.perf_counter()
+            loss_total, samples, tokens, stop_votes = window.tolist()
+            stop_now = stop_votes > 0
+            is_ckpt = is_ckpt or stop_now
+            elapsed = now - window_start
+            steady_s = now - steady_start
+            cursor = plan.cursor(done)
+            seen = cursor.epoch * plan.num_samples + cursor.position
+            metrics = {
+                "step": done, "target_step": target, "epoch": cursor.epoch,
+                "samples_seen": seen, "epochs_done": seen / plan.num_samples,
+                "loss": loss_total / max(samples, 1), "learning_rate": scheduler.get_last_lr()[0],
+                "samples_per_s": samples / elapsed, "tokens_per_s": tokens / elapsed,
+                "steady_samples_per_s": steady_samples / steady_s if steady_s > 0 and steady_samples else samples / elapsed,
+                "world_size": world, "global_batch_size": t.batch_size, "micro_batch_size": micro,
+                "grad_accum_steps": len(shares),  # this step's micro-batches: by tokens, they vary
+                "train_seconds": now - run_start,
             }
-            saving = time.perf_counter()
-            ckpt.write_local(directory, state, spec.checkpoint.file_name(done), metrics)
-            save_s = time.perf_counter() - saving
-            checkpoint = Checkpoint.from_directory(directory)
-        # A just-in-time checkpoint must be durable before the node goes: upload it synchronously.
-        reporting = time.perf_counter()
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
-                         checkpoint_upload_mode=CheckpointUploadMode.SYNC if preemption else upload_mode)
-        observer.checkpoint_times(save_s if rank == 0 else 0.0, time.perf_counter() - reporting)
-        last_ckpt_at = time.monotonic()
-        if rank == 0:
-            c = spec.checkpoint
-            ckpt.prune(root.fs, run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
-        if beats:
-            beats.beat(done, world, cause="preemption notice" if preemption else None, force=True)
-        observer.flush()
-        if preemption is not None:
-            jit_taken = True
-            wait_out_preemption(preemption, rank, done)
-        if stop_now:
+            window.zero_()
+            window_start = now
+            observer.log_step(metrics, elapsed)
             if rank == 0:
-                print(f"[etrain] stop requested: stopped at step {done} with a checkpoint; run again to resume",
-                      flush=True)
-            break
+                eta = (target - done) / max(1e-9, (done - start) / (now - run_start))
+                print(progress_line(done, target, metrics["loss"], metrics["learning_rate"], metrics["samples_per_s"],
+                                    metrics["tokens_per_s"], eta), flush=True)
+            if not is_ckpt:
+                continue
+            in_sync = params_in_sync(model, world)
+            metrics["params_in_sync"] = in_sync
+            if not in_sync:
+                raise RuntimeError(
+                    f"step {done}: DDP replicas hold different parameters (the guide's 'parameters out of sync'): "
+                    "check that every worker runs the same model code and that nothing changes parameters "
+                    "outside the optimizer step; WORLD_SIZE and RANK are set by Ray, do not set them yourself")
+            # Only checkpoints go through ray.train.report: it is a barrier on every rank and Ray's
+            # controller drains one report per poll (about 2 s), so reporting more often stalls training.
+            checkpoint = None
+            if rank == 0:
+                # Outlives report() for an async upload; Ray deletes it once uploaded (asked below).
+                directory = tempfile.mkdtemp(prefix=f"ckpt-{done}-", dir=staging)
+                state = {
+                    "format": ckpt.FORMAT_VERSION, "step": done, "cursor": vars(cursor),
+                    "model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                    "world_size": world, "global_batch_size": t.batch_size,
+                    "rng": {"scheme": "torch.manual_seed(step_seed(seed, step, rank)) each step", "seed": t.seed},
+                    "metrics": metrics, "observer": observer.checkpoint_state(),
+                }
+                saving = time.perf_counter()
+                ckpt.write_local(directory, state, spec.checkpoint.file_name(done), metrics)
+                save_s = time.perf_counter() - saving
+                checkpoint = Checkpoint.from_directory(directory)
+            # A just-in-time checkpoint must be durable before the node goes: upload it synchronously.
+            reporting = time.perf_counter()
+            mode = CheckpointUploadMode.SYNC if preemption else upload_mode
+            try:
+                ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
+                                 checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True)
+            finally:
+                if checkpoint is not None and mode == CheckpointUploadMode.SYNC:
+                    shutil.rmtree(directory, ignore_errors=True)  # a failed upload leaves no copy either
+            observer.checkpoint_times(save_s if rank == 0 else 0.0, time.perf_counter() - reporting)
+            last_ckpt_at = time.monotonic()
+            if rank == 0:
+                c = spec.checkpoint
+                ckpt.prune(root.fs, run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
+            if beats:
+                beats.beat(done, world, cause="preemption notice" if preemption else None, force=True)
+            observer.flush()
+            if preemption is not None:
+                jit_taken = True
+                wait_out_preemption(preemption, rank, done)
+            if stop_now:
+                if rank == 0:
+                    print(f"[etrain] stop requested: stopped at step {done} with a checkpoint; run again to resume",
+                          flush=True)
+                break
+    finally:
+        observer.close()  # its local TensorBoard folder goes, whatever ended the attempt
+
+
+def staging_folder(job_key: str) -> str:
+    """Rank 0's local folder for this job on this node: checkpoint copies before upload, TensorBoard
+    files. Emptied when an attempt starts, so an attempt killed with its processes (a lost node,
+    a restart) leaves nothing behind the next one; the copies of a running one go as they upload."""
+    path = os.path.join(tempfile.gettempdir(), job_key.replace("/", "-"))
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
 
 
 FAILURE_CAUSES = {"user_error": "user error", "node_lost": "node lost", "preemption": "preemption"}
@@ -346,8 +377,3 @@ def _to_device(batch, device: torch.device):
     if isinstance(batch, dict):
         return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
     return batch
-
-
-def _hms(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -2,27 +2,57 @@
 event files, goodput and cost, GPU use, and a profiler trace. The loop calls it at log steps
 and checkpoints only, so it costs nothing per step but two clock reads around the loader.
 
-Goodput and cost outlive restarts: their running totals ride in every checkpoint.
+Goodput outlives restarts: its running total (productive seconds) rides in every checkpoint,
+so work lost to an interruption is not productive. Cost counts every paid second instead: rank 0
+keeps an append-only record of segments (``cost.json``: run, start, end, nodes by kind) in the
+job's folder. A new attempt stretches the one before it to its last heartbeat and opens its own
+at that moment, so the work lost after the last checkpoint and the recovery are billed too.
 """
 
 from __future__ import annotations
 
 import os
 import posixpath
+import shutil
 import tempfile
 import time
 
 import torch
 
-from cluster.metrics import JobMetrics, NodeKind, cost_usd, goodput, node_kind
+from cluster.metrics import JobMetrics, NodeKind, cost_usd, goodput
 from cluster.storage import StorageRoot
 from trainers.config import JobSpec
 from trainers.history import MetricsHistory
 
 TENSORBOARD_DIR = "tensorboard"
+COST_FILE = "cost.json"
 PROFILES_DIR = "profiles"
 TB_SCALARS = ("loss", "learning_rate", "samples_per_s", "tokens_per_s", "step_time_s", "data_wait_fraction",
               "world_size", "goodput", "cost_usd")
+
+
+def ledger_node_hours(segments: list[dict]) -> dict[NodeKind, float]:
+    """Node-hours per kind over a cost record: each segment's nodes for its duration."""
+    out: dict[NodeKind, float] = {}
+    for seg in segments:
+        for instance_type, market, nodes in seg["nodes"]:
+            kind = NodeKind(instance_type, market)
+            out[kind] = out.get(kind, 0.0) + nodes * max(0.0, seg["end"] - seg["start"]) / 3600
+    return out
+
+
+def open_segment(segments: list[dict], run_id: str, start: float, previous_end: float | None,
+                 kinds: dict[NodeKind, int]) -> list[dict]:
+    """The record with a new attempt's segment appended (from ``start``); with ``previous_end``
+    (the last heartbeat of the attempt before, in this run) that attempt's segment reaches it."""
+    out = [dict(s) for s in segments]
+    if previous_end is not None:
+        for seg in reversed(out):
+            if seg["run_id"] == run_id:
+                seg["end"] = max(seg["end"], previous_end)
+                break
+    nodes = [[k.instance_type, k.market, n] for k, n in sorted(kinds.items(), key=lambda kv: (kv[0].instance_type, kv[0].market))]
+    return [*out, {"run_id": run_id, "start": start, "end": start, "nodes": nodes}]
 
 
 def group_kinds(kinds: list[tuple[str, NodeKind]]) -> dict[NodeKind, int]:
@@ -36,21 +66,26 @@ def group_kinds(kinds: list[tuple[str, NodeKind]]) -> dict[NodeKind, int]:
 
 class Observer:
     def __init__(self, spec: JobSpec, root: StorageRoot, rank: int, device: torch.device, submitted_at: float,
-                 restored: dict | None, kinds: dict[NodeKind, int]):
+                 restored: dict | None, kinds: dict[NodeKind, int], job: str | None = None,
+                 staging: str | None = None):
+        """``job``: the job's folder under ``root`` (its name unless checkpoint.path is absolute);
+        ``staging``: rank 0's local folder for files on their way to storage."""
         self.spec, self.root, self.rank, self.device = spec, root, rank, device
+        self.job = job or spec.name
         self.submitted_at = submitted_at
         self.metrics = JobMetrics(spec.name, spec.labels.get("tenant", ""), rank)
         self.kinds = kinds
         restored = restored or {}
         self.productive_base_s = restored.get("productive_s", 0.0)
-        self.node_hours: dict[NodeKind, float] = {NodeKind(*k): h for k, h in restored.get("node_hours", [])}
-        self.history = MetricsHistory(root, spec.name) if rank == 0 else None
-        self.tb = TensorBoard(root, spec) if rank == 0 else None
+        self.segments: list[dict] = []  # rank 0: the cost record, this attempt's segment last
+        self.node_hours: dict[NodeKind, float] = {}
+        self.history = MetricsHistory(root, self.job) if rank == 0 else None
+        self.staging = staging or tempfile.gettempdir()
+        self.tb = TensorBoard(root, spec, self.job, os.path.join(self.staging, TENSORBOARD_DIR)) if rank == 0 else None
         self.wait_s = 0.0
         self.window_steps = 0
         self.last_checkpoint: dict = {}
         self.attempt_start = time.perf_counter()
-        self.last_cost_at = time.time()
         p = spec.training.profile
         self.profile_range = (p.start_step, p.start_step + p.num_steps) if p and rank == 0 else None
         self.profiler = None
@@ -76,10 +111,9 @@ class Observer:
         self.wait_s, self.window_steps = 0.0, 0
         productive = self.productive_s()
         metrics["goodput"] = goodput(productive, time.time() - self.submitted_at)
-        now = time.time()
-        for kind, nodes in self.kinds.items():
-            self.node_hours[kind] = self.node_hours.get(kind, 0.0) + nodes * (now - self.last_cost_at) / 3600
-        self.last_cost_at = now
+        if self.segments:
+            self.segments[-1]["end"] = time.time()
+            self.node_hours = ledger_node_hours(self.segments)
         totals = [cost_usd(h, k, self.spec.cost.prices_per_hour) for k, h in self.node_hours.items()]
         metrics["cost_usd"] = sum(c for c, _ in totals)
         metrics["savings_usd"] = sum(s for _, s in totals)
@@ -101,8 +135,17 @@ class Observer:
 
     def checkpoint_state(self) -> dict:
         """Running totals to carry in the checkpoint (steps after it are lost, so is their time)."""
-        return {"productive_s": self.productive_s(),
-                "node_hours": [[[k.instance_type, k.market], h] for k, h in self.node_hours.items()]}
+        return {"productive_s": self.productive_s()}
+
+    def open_cost_segment(self, run_id: str, start: float, previous_end: float | None) -> None:
+        """Rank 0, at an attempt's first step: bill this attempt's nodes from ``start`` (the
+        previous attempt's last heartbeat, or the run's start) and write the record."""
+        if self.rank != 0:
+            return
+        known = self.root.read_json(self.job, COST_FILE) if self.root.exists(self.job, COST_FILE) else []
+        self.segments = open_segment(known, run_id, start, previous_end, self.kinds)
+        self.segments[-1]["end"] = time.time()
+        self.root.write_json(self.segments, self.job, COST_FILE)
 
     def checkpoint_times(self, save_s: float, report_s: float) -> None:
         """The last checkpoint's local write and how long report() blocked; the next log row carries them."""
@@ -119,6 +162,17 @@ class Observer:
         if self.history is not None:
             self.history.flush()
             self.tb.upload()
+        if self.segments:
+            self.segments[-1]["end"] = time.time()
+            self.root.write_json(self.segments, self.job, COST_FILE)
+
+    def close(self) -> None:
+        """End of an attempt: stop a running trace and remove local staging (the last flush uploaded it)."""
+        if self.profiler is not None:
+            self.profiler.__exit__(None, None, None)
+            self.profiler = None
+        if self.tb is not None:
+            self.tb.close()
 
     # ------------------------------------------------------------ profiling
 
@@ -132,13 +186,14 @@ class Observer:
             self.profiler.__enter__()
         elif done == stop and self.profiler is not None:
             self.profiler.__exit__(None, None, None)
-            local = os.path.join(tempfile.mkdtemp(prefix="etrain-prof-"), "trace.json")
-            self.profiler.export_chrome_trace(local)
-            with open(local, "rb") as f:
-                self.root.write_bytes(f.read(), self.spec.name, PROFILES_DIR, f"trace-steps-{start}-{stop}.json")
+            with tempfile.TemporaryDirectory(prefix="profile-", dir=self.staging) as staging:
+                local = os.path.join(staging, "trace.json")
+                self.profiler.export_chrome_trace(local)
+                with open(local, "rb") as f:
+                    self.root.write_bytes(f.read(), self.job, PROFILES_DIR, f"trace-steps-{start}-{stop}.json")
             self.profiler, self.profile_range = None, None
             print(f"[etrain] profile of steps {start}-{stop}: "
-                  f"{self.root.uri_of(self.spec.name, PROFILES_DIR, f'trace-steps-{start}-{stop}.json')}", flush=True)
+                  f"{self.root.uri_of(self.job, PROFILES_DIR, f'trace-steps-{start}-{stop}.json')}", flush=True)
 
 
 def gpu_utilization() -> float | None:
@@ -152,11 +207,10 @@ class TensorBoard:
     """Event files written locally by rank 0 and copied whole to ``<job>/tensorboard/`` at each flush,
     so `tensorboard --logdir <root>/<job>/tensorboard` (or s3://...) shows the run as it goes."""
 
-    def __init__(self, root: StorageRoot, spec: JobSpec):
+    def __init__(self, root: StorageRoot, spec: JobSpec, job: str, local: str):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.root, self.job = root, spec.name
-        self.local = tempfile.mkdtemp(prefix="etrain-tb-")
+        self.root, self.job, self.local = root, job, local
         self.writer = SummaryWriter(log_dir=self.local)
         t = spec.training
         hparams = {"batch_size": t.batch_size, "learning_rate": t.learning_rate, "optimizer": t.optimizer,
@@ -169,6 +223,10 @@ class TensorBoard:
         for key in TB_SCALARS:
             if metrics.get(key) is not None:
                 self.writer.add_scalar(f"train/{key}", metrics[key], metrics["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+        shutil.rmtree(self.local, ignore_errors=True)
 
     def upload(self) -> None:
         self.writer.flush()

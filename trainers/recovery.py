@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from cluster.ray_adapter import kv_del, kv_exists, kv_get, kv_put
+
 FailureKind = Literal["preemption", "node_lost", "user_error", "fatal"]
 INTERRUPTIONS_FILE = "interruptions.json"
 HEARTBEAT_INTERVAL_S = 1.0
@@ -28,13 +30,14 @@ def classify_failure(error: BaseException) -> FailureKind:
     """What a failed ``fit()`` means. A dead worker anywhere makes it infrastructure: when a
     node dies, the surviving ranks fail too, with collective errors that look like user errors."""
     from ray.exceptions import RayActorError
-    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError
     from ray.train.v2.api.exceptions import PreemptionError, WorkerGroupError
+
+    from cluster.ray_adapter import worker_death_errors
 
     if isinstance(error, PreemptionError):
         return "preemption"
     if isinstance(error, WorkerGroupError):
-        infra = (WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError, RayActorError)
+        infra = (*worker_death_errors(), RayActorError)
         if any(isinstance(e, infra) for e in error.worker_failures.values()):
             return "node_lost"
         return "user_error"
@@ -78,17 +81,16 @@ def interruption_record(last: Heartbeat, restored_step: int, world_size: int, no
 class Heartbeats:
     """Rank 0's heartbeat in Ray's GCS key-value store (it outlives the workers, not the cluster)."""
 
-    def __init__(self, job: str, run_id: str, interval_s: float = HEARTBEAT_INTERVAL_S):
-        self.key = f"etrain/{job}/heartbeat".encode()
+    def __init__(self, job_key: str, run_id: str, interval_s: float = HEARTBEAT_INTERVAL_S):
+        """``job_key``: the job's name in Ray's KV (trainers.home.JobHome.key), never its bare name."""
+        self.key = f"{job_key}/heartbeat".encode()
         self.run_id = run_id
         self.interval_s = interval_s
         self._last = 0.0
 
     def last(self) -> Heartbeat | None:
         """The previous attempt's heartbeat in this run, if any."""
-        from ray.experimental import internal_kv
-
-        raw = internal_kv._internal_kv_get(self.key)
+        raw = kv_get(self.key)
         if not raw:
             return None
         beat = Heartbeat(**json.loads(raw))
@@ -98,10 +100,8 @@ class Heartbeats:
         now = time.time()
         if not force and now - self._last < self.interval_s:
             return
-        from ray.experimental import internal_kv
-
         self._last = now
-        internal_kv._internal_kv_put(self.key, json.dumps(asdict(Heartbeat(self.run_id, step, now, world_size, cause))))
+        kv_put(self.key, json.dumps(asdict(Heartbeat(self.run_id, step, now, world_size, cause))))
 
 
 class StopFlag:
@@ -113,20 +113,16 @@ class StopFlag:
     so a resumed job runs on.
     """
 
-    def __init__(self, job: str):
-        self.key = f"etrain/{job}/stop".encode()
+    def __init__(self, job_key: str):
+        """``job_key``: the job's name in Ray's KV (trainers.home.JobHome.key): two jobs of one name
+        in two storage roots have two keys, so one's stop never stops or clears the other's."""
+        self.key = f"{job_key}/stop".encode()
 
     def request(self) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_put(self.key, str(time.time()).encode())
+        kv_put(self.key, str(time.time()).encode())
 
     def requested(self) -> bool:
-        from ray.experimental import internal_kv
-
-        return internal_kv._internal_kv_exists(self.key)
+        return kv_exists(self.key)
 
     def clear(self) -> None:
-        from ray.experimental import internal_kv
-
-        internal_kv._internal_kv_del(self.key)
+        kv_del(self.key)

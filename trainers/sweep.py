@@ -47,6 +47,10 @@ RANGE_DOMAINS = ("uniform", "loguniform", "randint")
 METRICS = ("loss", "samples_per_s", "steady_samples_per_s", "tokens_per_s", "train_seconds")
 # Trials are compared at equal data seen, so batch sizes compete on the same number of samples.
 TIME_ATTR = "epochs_done"
+# Every listed value is checked in its trial's job spec before a sweep is accepted, at a cost that
+# grows with the spec: the values a space lists in all are bounded, so that check stays short (a
+# search needs far fewer; a range samples from many).
+MAX_SPACE_VALUES = 256
 TRIAL_DRIVER_CPU = 0.05
 TRIAL_POLL_INTERVAL_S = 0.5
 
@@ -95,11 +99,31 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
 
 
 def trial_spec_data(base: dict, values: dict[str, Any]) -> dict:
-    """The base spec with one trial's values set (the base is not changed)."""
+    """The base spec with one trial's values set (the base is not changed).
+
+    An absolute checkpoint.path would put every trial in one folder: a trial's stay in its own.
+    """
     data = copy.deepcopy(base)
     for key, value in values.items():
         set_dotted(data, key, value)
+    checkpoint = data.get("checkpoint")
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("path"), str):
+        checkpoint["path"] = checkpoint["path"].lstrip("/")
     return data
+
+
+def trial_spec_view(base: dict, key: str, value: Any) -> dict:
+    """The base with one value set, sharing every part the key does not pass through: for checks
+    that only read it (cheap for every listed value of a space, where a deep copy each is not)."""
+    top = dict(base)
+    node = top
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        node[part] = dict(child) if isinstance(child, dict) else {}
+        node = node[part]
+    node[parts[-1]] = value
+    return top
 
 
 def domain_problems(key: str, domain: Any, search: str) -> list[str]:
@@ -144,14 +168,17 @@ def candidate_values(domain: dict) -> list[Any]:
 
 def space_problems(sweep: SweepConfig, base: dict) -> list[str]:
     """Every problem of the search space at once, each naming ``sweep.space.<key>``."""
-    problems = []
+    problems, listed = [], 0
     if not sweep.space:
         return ["sweep.space: {}: empty: name at least one key to vary, e.g. training.learning_rate: "
                 "{loguniform: [1.0e-4, 1.0e-1]}"]
     for key, domain in sweep.space.items():
         path = f"sweep.space.{key}"
-        if key in ("name", "checkpoint.storage_root"):
+        if key in ("name", "checkpoint", "checkpoint.storage_root"):
             problems.append(f"{path}: not searchable: a sweep names and stores its trials itself")
+            continue
+        if key == "labels" or key.startswith("labels."):
+            problems.append(f"{path}: not searchable: labels (the tenant's among them) hold for the whole sweep")
             continue
         unknown = key_problem(key)
         if unknown:
@@ -161,9 +188,16 @@ def space_problems(sweep: SweepConfig, base: dict) -> list[str]:
         if shape:
             problems.extend(shape)
             continue
-        for value in candidate_values(domain):
+        kind, values = next(iter(domain)), candidate_values(domain)
+        listed += len(values)
+        if listed > MAX_SPACE_VALUES:
+            problems.append(f"{path}.{kind}: {len(values)} values, {listed} in the space so far: a space lists at most "
+                            f"{MAX_SPACE_VALUES} values in all (a range counts its two ends): list fewer, or sample "
+                            "a range (uniform, loguniform, randint)")
+            break
+        for value in values:
             try:
-                validate(trial_spec_data(base, {key: value}))
+                validate(trial_spec_view(base, key, value))
             except SpecError as exc:
                 problems.append(f"{path}: {json.dumps(value)} makes the job spec invalid: {exc.problems[0]}")
                 break
@@ -269,7 +303,7 @@ def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from cluster.storage import open_root
+    from trainers.home import job_home
     from trainers.launch import latest_metrics, run_job
 
     # Ray Train's controller takes one report per poll (2 s by default) and report() waits for it;
@@ -280,7 +314,7 @@ def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
     data["name"] = trial_job_name(ray.tune.get_context().get_trial_id())
     data.setdefault("checkpoint", {})["storage_root"] = jobs_uri
     spec = validate(data)
-    done, _, _ = latest_metrics(spec, open_root(jobs_uri))
+    done, _, _ = latest_metrics(job_home(spec))
     if done and done.get("step") == done.get("target_step"):
         ray.tune.report(done)  # finished before the sweep's driver died: report, do not train again
         return
@@ -295,6 +329,7 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
     Tune stops a trial by tearing its training down, often before the trial's own summary is
     written (or after it recorded the teardown as a failure). Its checkpoints say where it got.
     """
+    from trainers.home import job_home
     from trainers.launch import latest_metrics, make_summary
 
     for row in rows:
@@ -307,8 +342,8 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
         data["name"] = name
         data.setdefault("checkpoint", {})["storage_root"] = jobs.uri
         spec = validate(data)
-        metrics, path, _ = latest_metrics(spec, jobs)
-        summary = make_summary(spec, jobs, metrics, path, None, row["time_s"])
+        metrics, path, _ = latest_metrics(job_home(spec))
+        summary = make_summary(spec, job_home(spec), metrics, path, None, row["time_s"])
         summary["stopped_by"] = "sweep scheduler"
         jobs.write_json(summary, name, "summary.json")
 

@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 BUCKET = "rehearsal"
 TARGET_STEP = 3000
+STEP_DELAY_S = 0.02  # 3000 steps last at least 60 s
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -193,9 +194,13 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
     job, name = "rehearsal-chaos", "chaos"
     launcher.ray(
         "job", "submit", "--address", launcher.dashboard, "--no-wait", "--submission-id", job,
-        "--working-dir", ".", "--runtime-env-json", json.dumps({"env_vars": s3}), "--",
-        "python3", "-m", "trainers.train", "configs/quickstart.yaml",
+        "--working-dir", ".", "--runtime-env-json", json.dumps({"env_vars": {**s3, "PYTHONPATH": "tests/fixtures"}}),
+        "--", "python3", "-m", "trainers.train", "configs/quickstart.yaml",
         "--set", f"name={name}", "--set", f"checkpoint.storage_root=s3://{BUCKET}/runs",
+        # Each step sleeps: the job outlasts the notice, the restart and the cut on a machine of any speed
+        # (at full speed the quickstart ran its 3000 steps before the notice could be served).
+        "--set", "model.factory=userpkg:slow_model", "--set", f"model.options={{delay_s: {STEP_DELAY_S}}}",
+        "--set", "data.source=null", "--set", "data.factory=userpkg:make_data", "--set", "data.options={n: 3000}",
         "--set", "distributed.num_workers={min: 1, max: 2}", "--set", f"training.max_steps={TARGET_STEP}",
         "--set", "training.epochs=1000", "--set", "checkpoint.interval=500", "--set", "checkpoint.num_to_keep=10",
         timeout=180)

@@ -49,8 +49,8 @@ def observed(ray_local, tmp_path_factory):
                              f"--web.listen-address=127.0.0.1:{prom_port}", f"--storage.tsdb.path={work / 'tsdb'}"],
                             stdout=open(work / "prometheus.log", "w"), stderr=subprocess.STDOUT)
     port = free_port()
-    settings = ServiceSettings(storage_root=str(work / "root"), ray_dashboard_url=f"http://{get_dashboard_url()}",
-                               reconcile_interval_s=1, stop_wait_s=60)
+    settings = ServiceSettings(storage_root=str(work / "root"), state_dir=str(work / "state"),
+                               ray_dashboard_url=f"http://{get_dashboard_url()}", reconcile_interval_s=1, stop_wait_s=60)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(JobService.bind(settings.model_dump(), [TokenEntry(tenant="team-o", role="user", token=TOKEN)
@@ -121,8 +121,8 @@ def test_tensorboard_event_files_read_back(observed):
 def test_the_profile_is_listed_and_loads_as_json(observed):
     uris = wait_for(lambda: requests.get(f"{observed.url}/v1/jobs/{observed.job}/profiles", headers=observed.headers,
                                          timeout=30).json(), 120, "a profile")
-    assert uris[0].endswith("trace-steps-20-25.json")
-    trace = json.loads(Path(uris[0]).read_text())
+    assert uris[0].startswith(f"{observed.job}/") and uris[0].endswith("trace-steps-20-25.json")  # storage-relative
+    trace = json.loads((observed.root / uris[0]).read_text())
     assert trace["traceEvents"], "empty trace"
 
 
@@ -133,20 +133,30 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def test_the_web_page_shows_jobs_and_curves_in_chromium(observed, tmp_path):
+    from browser import Browser
+
     if not CHROMIUM:
         pytest.fail("chromium is not installed: .ci/run installs the Debian package")
     wait_for(lambda: len(requests.get(f"{observed.url}/v1/jobs/{observed.job}/metrics", headers=observed.headers,
                                       timeout=30).json()["rows"]) >= 3, 120, "a few metric rows")
-    browser = [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
-    page = f"{observed.url}/ui/jobs/{observed.job}?token={TOKEN}"
-    dom = subprocess.run([*browser, "--dump-dom", page], capture_output=True, text=True, timeout=120).stdout
-    assert "id=\"loss-chart\"" in dom and "id=\"throughput-chart\"" in dom, dom[:2000]
-    assert dom.count("<polyline") >= 2 and "id=\"checkpoints\"" in dom and "id=\"log\"" in dom
-    listing = subprocess.run([*browser, "--dump-dom", f"{observed.url}/?token={TOKEN}"], capture_output=True,
-                             text=True, timeout=120).stdout
-    assert observed.job in listing and "RUNNING" in listing
-    shot = tmp_path / "job.png"
-    subprocess.run([*browser, f"--screenshot={shot}", "--window-size=1280,1400", page], capture_output=True,
-                   timeout=120)
-    assert png_size(shot) == (1280, 1400) and shot.stat().st_size > 20_000  # a rendered page, not a blank one
-    assert requests.get(f"{observed.url}/ui/jobs/{observed.job}", timeout=30).status_code == 401  # no token: sign in
+    browser = Browser(tmp_path / "profile")
+    try:
+        browser.sign_in(observed.url, TOKEN)  # the form: a token never goes in a URL
+        assert observed.job in browser.eval("document.body.innerText") and "RUNNING" in browser.eval(
+            "document.body.innerText")
+        browser.goto(f"{observed.url}/ui/jobs/{observed.job}")
+        wait_for(lambda: browser.eval("document.querySelectorAll('#charts canvas').length") == 5, 30,
+                 "the page's script to draw five charts")
+        dom = browser.eval("document.documentElement.outerHTML")
+        assert 'id="loss-chart"' in dom and 'id="throughput-chart"' in dom, dom[:2000]
+        assert 'id="checkpoints"' in dom and 'id="log"' in dom
+        # The stylesheet loaded under the page's CSP (style-src 'self'): the chart has its border.
+        assert browser.eval("getComputedStyle(document.querySelector('figure.chart')).borderTopStyle") == "solid"
+        shot = tmp_path / "job.png"
+        browser.screenshot(shot)
+        viewport = tuple(browser.eval("[window.innerWidth, window.innerHeight]"))
+    finally:
+        browser.close()
+    # The window is 1280 wide; headless Chromium's viewport height is the window's less its hidden frame.
+    assert png_size(shot) == viewport and viewport[0] == 1280 and shot.stat().st_size > 20_000  # not a blank page
+    assert requests.get(f"{observed.url}/ui/jobs/{observed.job}", timeout=30).status_code == 401  # no cookie: sign in

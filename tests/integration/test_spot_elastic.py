@@ -25,17 +25,22 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_node, tmp_path):
+    import uuid
+
+    from staging import leftover_staging
+
     cluster, (_, spot_node) = multi_node
+    name = f"spot-{uuid.uuid4().hex[:8]}"  # unique: staging copies are recognised by it
     spec = validate({
-        "name": "spot", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 4000},
+        "name": name, "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 4000},
         "distributed": {"num_workers": {"min": 1, "max": 2}},
-        "checkpoint": {"interval": 1000, "storage_root": str(tmp_path)},
+        "checkpoint": {"interval": 1000, "storage_root": str(tmp_path), "num_to_keep": None},
         "model": {"hidden_size": 16},
     })
     result: dict = {}
     job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))))
     job.start()
-    run_path = open_root(str(tmp_path)).path("spot", "checkpoints")
+    run_path = open_root(str(tmp_path)).path(name, "checkpoints")
     imds = FakeIMDS()
     try:
         for _ in range(240):  # let the 2-worker group start and take its first checkpoint
@@ -68,3 +73,4 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_nod
     assert record["cause"] == "preemption notice" and record["restored_step"] == jit
     assert record["steps_lost"] <= 1, record
     assert (record["world_size_before"], record["world_size_after"]) == (2, 1)
+    assert leftover_staging(name, tmp_path / name / "checkpoints") == [], "async, JIT and final copies all go"

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from conftest import free_port
+from processes import session_pids
 from waiting import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -56,19 +57,6 @@ def fake_config(aws: dict, gcs_port: int, spot_max: int) -> dict:
         "head_setup_commands": [], "worker_setup_commands": [], "head_start_ray_commands": [],
         "worker_start_ray_commands": [],
     }
-
-
-def session_pids(sid: int) -> list[int]:
-    """Every process in session ``sid`` (the head and the raylets its autoscaler launched)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:  # after state, ppid, pgrp: session
-            found.append(int(stat.parent.name))
-    return found
 
 
 @pytest.fixture

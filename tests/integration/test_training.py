@@ -44,24 +44,35 @@ def raylet_pids() -> set[int]:
 
 
 def test_guide_template_trains_from_the_command_line(tmp_path):
+    """The guide's template as is (only max_steps set): its checkpoints and summary land in the
+    absolute directory it names. /checkpoints is this test's own folder, bind-mounted there in
+    a private mount namespace, as a shared volume would be on a cluster."""
     before = raylet_pids()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    volume, root = tmp_path / "volume", tmp_path / "root"
+    volume.mkdir()
+    os.makedirs("/checkpoints", exist_ok=True)  # the mount point (the namespace's mount hides what is in it)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ETRAIN_STORAGE_ROOT": str(root)}
     proc = subprocess.run(
-        [sys.executable, "-m", "trainers.train", "configs/deployment-guide.json", "--set", "training.max_steps=6",
-         "--set", f"checkpoint.storage_root={tmp_path}"],
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount --bind "$0" /checkpoints && exec "$1" -m trainers.train configs/deployment-guide.json '
+         '--set training.max_steps=6', str(volume), sys.executable],
         capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "falling back to gloo" in out and "handled by Ray's rendezvous" in out
+    assert "storage /checkpoints, checkpoints /checkpoints," in out, "the first lines say where checkpoints go"
     assert "[etrain] step 6/6" in out
-    summary = json.loads((tmp_path / "deployment-guide" / "summary.json").read_text())
+    summary = json.loads((volume / "summary.json").read_text())
     for key in ("name", "final_step", "target_step", "global_batch_size", "world_size", "samples_per_s",
                 "final_loss", "checkpoint_uri", "interruptions"):
         assert key in summary
     assert summary["final_step"] == summary["target_step"] == 6
     assert summary["global_batch_size"] == 256 and summary["world_size"] == 2
     assert isinstance(summary["interruptions"], list)
-    assert Path(summary["checkpoint_uri"], "model_6.pt").exists()
+    assert summary["checkpoint_uri"] == "/checkpoints/checkpoint_000000006"
+    assert (volume / "checkpoint_000000006" / "model_6.pt").exists()
+    assert (volume / "checkpoint_000000006" / "manifest.json").exists()
+    assert not (root / "deployment-guide").exists(), "nothing of the job under the storage root"
     assert raylet_pids() <= before, "the command must stop the Ray it started"
 
 
@@ -90,8 +101,15 @@ def test_two_workers_learn_text_with_dynamic_batching(ray_local, tmp_path):
     })
     code, summary = run_job(spec)
     assert code == EXIT_OK, summary
-    first = final_state(summary)
-    assert first["metrics"]["grad_accum_steps"] >= 1
+    from trainers.data import StepMicroBatches
+    from trainers.loop import plan_for
+    from trainers.workloads import resolve
+
+    workload = resolve(spec)
+    plan = plan_for(spec, workload.dataset(spec, workload.prepare(spec, open_root(str(tmp_path)))))
+    last = StepMicroBatches(plan, 0, 2, 8, 512).at(29)  # rank 0's micro-batches of the last step, by tokens
+    assert final_state(summary)["metrics"]["grad_accum_steps"] == len(last) > 1
+    assert all(int(plan.lengths[mb].max()) * len(mb) <= 512 for mb in last)
     assert summary["final_loss"] < 0.75 * math.log(257), summary  # well under a uniform guess over bytes
 
 
@@ -122,7 +140,11 @@ def test_resume_on_fewer_workers_keeps_step_and_global_batch(ray_local, tmp_path
     assert code == EXIT_OK
     assert rest["final_step"] == 12 and rest["world_size"] == 1 and rest["global_batch_size"] == 64
     a, b = final_state(whole), final_state(rest)
-    assert b["cursor"] == a["cursor"], "the data position is the same whatever the world size"
+    from trainers.history import read_history
+
+    rows = {r["step"]: r for r in read_history(open_root(str(tmp_path)), "shrink")}
+    assert rows[4]["time"] < rows[5]["time"] < rows[8]["time"] and rows[5]["world_size"] == 2
+    assert rows[8]["world_size"] == 1, "steps after 5 ran at one worker: the resume did not start over"
     for key in a["model"]:  # same samples, same global batch: only float summation order differs
         assert torch.allclose(a["model"][key], b["model"][key], atol=1e-5), key
 
@@ -162,6 +184,7 @@ def flaky_spec(root, name, marker, max_failures, always=False):
         "name": name, "training": {"batch_size": 30, "learning_rate": 0.05, "max_steps": 20},
         "checkpoint": {"interval": 5, "storage_root": str(root)},
         "fault_tolerance": {"max_failures": max_failures},
+        "cost": {"prices_per_hour": {"local": {"on_demand": 3600.0}}},  # a dollar per node-second
         "model": {"factory": "userpkg:flaky_model", "options": {"marker": str(marker), "fail_at": 12, "always": always}},
         "data": {"factory": "userpkg:make_data"},
     })
@@ -176,6 +199,14 @@ def test_user_error_uses_the_budget_and_resumes_from_checkpoint(ray_local, tmp_p
     assert record["restored_step"] in (5, 10) and record["steps_lost"] <= 6, record
     stored = json.loads((tmp_path / "flaky" / "interruptions.json").read_text())
     assert stored[-1]["run_id"] == record["run_id"]
+    # Every paid second is billed: the attempts and the recovery between them, without a gap.
+    first, second = json.loads((tmp_path / "flaky" / "cost.json").read_text())
+    assert first["end"] >= record["interrupted_at"] == second["start"], (first, second, record)
+    assert summary["cost_usd"] >= record["recovery_s"], (summary["cost_usd"], record)
+    (tmp_path / "no-bug").touch()  # the same job whose bug never fires: an unbroken run of the same steps
+    code, unbroken = run_job(flaky_spec(tmp_path, "unbroken", tmp_path / "no-bug", max_failures=1))
+    assert code == EXIT_OK and unbroken["interruptions"] == [], unbroken
+    assert summary["cost_usd"] >= unbroken["cost_usd"], (summary["cost_usd"], unbroken["cost_usd"])
 
 
 def test_user_error_beyond_the_budget_fails_with_its_message(ray_local, tmp_path):
@@ -233,6 +264,7 @@ def test_a_stop_request_ends_the_job_with_a_checkpoint_and_a_rerun_resumes(ray_l
     import threading
 
     from trainers.history import read_history
+    from trainers.home import job_home
     from trainers.recovery import StopFlag
     from waiting import wait_for
 
@@ -240,9 +272,9 @@ def test_a_stop_request_ends_the_job_with_a_checkpoint_and_a_rerun_resumes(ray_l
     result = {}
     runner = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))))
     runner.start()
-    wait_for(lambda: list((tmp_path / "stop-me" / "checkpoints").glob("checkpoint_*/manifest.json")), 180,
+    wait_for(lambda: list((tmp_path / "stop-me" / "checkpoints").glob("checkpoint_*/manifest.json")), 300,
              "a first checkpoint")
-    StopFlag("stop-me").request()
+    StopFlag(job_home(spec).key).request()
     runner.join(180)
     summary = result["summary"]
     assert result["code"] == EXIT_STOPPED and summary["status"] == "stopped", summary
@@ -253,6 +285,60 @@ def test_a_stop_request_ends_the_job_with_a_checkpoint_and_a_rerun_resumes(ray_l
     steps = [r["step"] for r in rows]
     assert steps == sorted(steps) and steps[-1] == stopped_at and {"loss", "samples_per_s", "time"} <= set(rows[-1])
 
-    code, summary = run_job(spec)  # the flag is cleared at start: the job runs on to its target
-    assert code == EXIT_OK and summary["final_step"] == 3000
-    assert [r["step"] for r in read_history(open_root(str(tmp_path)), "stop-me")][-1] == 3000
+    # The flag is cleared at start: the job runs on past the next log step (where a stale flag
+    # would stop it); there is no need to run to its target.
+    code, summary = run_job(spec, stop_at_step=stopped_at + 3 * spec.training.log_interval_steps)
+    assert code == EXIT_STOPPED and summary["final_step"] == stopped_at + 30, summary
+    assert [r["step"] for r in read_history(open_root(str(tmp_path)), "stop-me")][-1] == stopped_at + 30
+
+
+def test_two_jobs_of_one_name_in_two_roots_stop_independently(ray_local, tmp_path):
+    import threading
+
+    from trainers.home import job_home
+    from trainers.recovery import StopFlag
+    from waiting import wait_for
+
+    specs = [digits_spec(tmp_path / root, "twin", max_steps=1_000_000) for root in ("a", "b")]
+    for spec in specs:
+        spec.distributed.num_workers = 1
+    results = [{}, {}]
+    runners = [threading.Thread(target=lambda s=s, r=r: r.update(zip(("code", "summary"), run_job(s))))
+               for s, r in zip(specs, results)]
+
+    def steps(root: str) -> list[int]:
+        return sorted(ckpt.step_of(p.parent.name) for p in (tmp_path / root / "twin" / "checkpoints").glob(
+            "checkpoint_*/manifest.json"))
+
+    try:
+        for runner, root in zip(runners, ("a", "b")):
+            runner.start()  # b starts (and clears its own stop key) while a runs
+            wait_for(lambda: steps(root), 180, f"a first checkpoint of twin in {root}")
+        StopFlag(job_home(specs[0]).key).request()
+        runners[0].join(180)
+        assert results[0]["code"] == EXIT_STOPPED, results[0]
+        at_a_stop = steps("b")[-1]
+        wait_for(lambda: steps("b")[-1] > at_a_stop, 60, "twin in b to train on after a's stop")
+        assert runners[1].is_alive(), results[1]
+    finally:
+        for spec in specs:
+            StopFlag(job_home(spec).key).request()
+        for runner in runners:
+            runner.join(180)
+    assert results[1]["code"] == EXIT_STOPPED and results[1]["summary"]["final_step"] > at_a_stop, results[1]
+
+
+def test_no_local_checkpoint_or_tensorboard_copies_are_left_behind(ray_local, tmp_path):
+    import uuid
+
+    from staging import leftover_staging
+
+    name = f"leak-{uuid.uuid4().hex[:8]}"  # TensorBoard's events hold the spec, and so this name
+    spec = digits_spec(tmp_path, name, max_steps=16)
+    spec.checkpoint.upload = "sync"
+    spec.checkpoint.min_interval_s = 0
+    spec.checkpoint.num_to_keep = None
+    code, summary = run_job(spec)
+    assert code == EXIT_OK, summary
+    assert len(list((tmp_path / name / "checkpoints").glob("checkpoint_0*"))) == 4
+    assert leftover_staging(name, tmp_path / name / "checkpoints") == []

@@ -113,3 +113,47 @@ def test_prune_keeps_newest_and_best(tmp_path):
     os.makedirs(os.path.join(run, ckpt.dir_name(25)))  # a writer killed before its manifest
     assert ckpt.prune(pafs.LocalFileSystem(), run, 2, "loss", "min") == [10, 25]
     assert sorted(os.listdir(run)) == [ckpt.dir_name(s) for s in (20, 30, 40)]
+
+
+def test_a_throttled_manifest_read_during_prune_deletes_nothing(s3_server, tmp_path):
+    """S3 answers 503 SlowDown (past the client's retries) for the best checkpoint's manifest:
+    that is not an incomplete checkpoint, so this round prunes nothing and says why."""
+    import boto3
+    from faulty_proxy import FaultyProxy
+
+    boto3.client("s3").create_bucket(Bucket="prune-503")
+    direct = pafs.S3FileSystem(endpoint_override=s3_server.removeprefix("http://"), scheme="http")
+    run = "prune-503/job/checkpoints"
+    for step, loss in [(10, 0.1), (20, 0.3), (30, 0.4), (40, 0.5)]:
+        local = str(tmp_path / str(step))
+        os.makedirs(local)
+        ckpt.write_local(local, {"step": step}, f"model_{step}.pt", {"loss": loss})
+        pafs.copy_files(local, f"{run}/{ckpt.dir_name(step)}", destination_filesystem=direct)
+    best_manifest = f"/{run}/{ckpt.dir_name(10)}/{ckpt.MANIFEST}"
+    proxy = FaultyProxy(s3_server, lambda method, path: path == best_manifest, times=20)
+    said = []
+    try:
+        through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http")
+        deleted = ckpt.prune(through_proxy, run, 1, "loss", "min", say=said.append)
+    finally:
+        proxy.close()
+    assert proxy.failed, ("the proxy must have answered 503", proxy.passed)
+    assert deleted == []
+    steps = [ckpt.step_of(os.path.basename(p["path"])) for p in ckpt.list_checkpoints(direct, run)]
+    assert steps == [10, 20, 30, 40]
+    assert any("skipped this round" in line and ckpt.dir_name(10) in line for line in said), said
+    assert ckpt.prune(direct, run, 1, "loss", "min", say=said.append) == [20, 30]  # the next round goes ahead
+
+
+def test_an_uploading_newer_checkpoint_protects_the_verified_one(tmp_path):
+    """Ray uploads a checkpoint file by file, so its manifest can land before its state file:
+    until every file is there at its size it does not count as complete."""
+    run = str(tmp_path)
+    make(run, 10)
+    uploading = make(run, 20)
+    os.remove(os.path.join(uploading, "model_20.pt"))  # the manifest is there, the state file not yet
+    assert ckpt.prune(pafs.LocalFileSystem(), run, 1, None, "min") == []
+    assert sorted(os.listdir(run)) == [ckpt.dir_name(10), ckpt.dir_name(20)]
+    with open(os.path.join(uploading, "model_20.pt"), "wb") as f:
+        f.write(b"x" * 10)  # a part of the file
+    assert ckpt.prune(pafs.LocalFileSystem(), run, 1, None, "min") == []

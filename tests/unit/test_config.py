@@ -55,7 +55,11 @@ BAD_SPECS = [
     ({"distributed": {"master_port": 70000}}, "distributed.master_port", "less than or equal to 65535"),
     ({"checkpoint": {"path": "../../etc/model_{step}.pt"}}, "checkpoint.path", "escapes the job's folder"),
     ({"checkpoint": {"path": "s3://b/model.pt"}}, "checkpoint.path", "checkpoint.storage_root"),
-    ({"checkpoint": {"path": "model_{epoch}.pt"}}, "checkpoint.path", "only the {step} placeholder"),
+    ({"checkpoint": {"path": "model_{epoch}.pt"}}, "checkpoint.path", "only the placeholder '{step}' is allowed"),
+    ({"checkpoint": {"path": "m_{step:>2000000000}.pt"}}, "checkpoint.path", "written exactly so (no format spec)"),
+    ({"checkpoint": {"path": "m_{step!r}.pt"}}, "checkpoint.path", "only the placeholder '{step}'"),
+    ({"checkpoint": {"path": "m_{{step}}.pt"}}, "checkpoint.path", "only the placeholder '{step}'"),
+    ({"checkpoint": {"path": "/model_{step}.pt"}}, "checkpoint.path", "an absolute path names the job's folder"),
     ({"checkpoint": {"storage_root": "ftp://host/x"}}, "checkpoint.storage_root", "scheme 'ftp'"),
     ({"checkpoint": {"storage_root": "s3://"}}, "checkpoint.storage_root", "needs a bucket"),
     ({"checkpoint": {"interval": 0}}, "checkpoint.interval", "greater than 0"),
@@ -160,3 +164,73 @@ def test_help_teaches():
 ])
 def test_batching_follows_from_global_batch(world, micro, accum, expected):
     assert batching_summary(256, world, micro, accum) == expected
+
+
+BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+
+
+@pytest.mark.parametrize("text,fmt,expected", [
+    (BOMB, "auto", "line 1: YAML anchors and aliases (& and *) are not accepted"),
+    ("training: &t {batch_size: 8}\n", "auto", "anchors and aliases"),
+    ("a: " + "[" * 40 + "]" * 40, "auto", "nested deeper than 32 levels"),
+    ("a: " + "[" * 5000 + "]" * 5000, "auto", "fix the YAML syntax"),  # libyaml's own limit
+    ("- 1\n" * 30000, "auto", "more than 20000 values"),
+    ("seed: " + "9" * 5000, "auto", "a number of 5000 digits: numbers in a spec have at most 30 digits"),
+    ('{"seed": ' + "9" * 5000 + "}", "json", "a number of 5000 digits"),
+    ('{"a": ' + "[" * 100000 + "]" * 100000 + "}", "json", "nested deeper than 32 levels"),
+    ('{"a": ' + "[" * 40 + "]" * 40 + "}", "json", "nested deeper than 32 levels"),
+    ("[" + "1," * 30000 + "1]", "json", "more than 20000 values"),
+])
+def test_hostile_spec_text_is_refused_fast_and_plainly(text, fmt, expected):
+    import time
+
+    from trainers.config import parse_text
+
+    started = time.perf_counter()
+    with pytest.raises(SpecError) as info:
+        parse_text(text, "body", fmt)
+    assert expected in info.value.problems[0] and info.value.problems[0].startswith("body: ")
+    assert time.perf_counter() - started < 5  # generous: the point is no blow-up, not a speed figure
+
+
+def test_the_service_validates_without_importing_what_a_spec_names(tmp_path, monkeypatch):
+    from trainers.config import refs_not_imported
+
+    marker = tmp_path / "imported"
+    (tmp_path / "sideeffect_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef make(): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = {"model": {"factory": "sideeffect_mod:make"}, "data": {"factory": "sideeffect_mod:make"}}
+    with refs_not_imported():
+        validate(spec)
+        with pytest.raises(SpecError, match="must look like 'package.module:function'"):
+            validate({"train_loop": "not a ref"})
+    assert not marker.exists()
+    validate(spec)  # outside the block (etrain run): imported, so a typo fails before anything starts
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("training: {max_steps: 5}\ndata: {options: {x: !!binary AAAA/w==}}\n",
+     "body: data.options.x: binary data (!!binary): a spec holds text, numbers, true/false, lists and mappings only"),
+    ("model: {options: {x: !!set {a, b}}}\n", "body: model.options.x: a set (!!set): a spec holds text"),
+    ("model: {options: {x: [1, !!binary AAAA]}}\n", "body: model.options.x[1]: binary data (!!binary)"),
+    ("model: {options: {!!binary AAAA: 1}}\n", "as a key"),
+    ("name: !!binary AAAA/w==\n", "body: name: binary data (!!binary)"),
+])
+def test_yaml_values_json_cannot_hold_are_refused_naming_the_field(text, expected):
+    from trainers.config import parse_text
+
+    with pytest.raises(SpecError) as info:
+        parse_text(text, "body")
+    assert expected in info.value.problems[0], info.value.problems
+
+
+def test_yaml_dates_and_times_stay_the_text_written():
+    import json
+
+    from trainers.config import parse_text
+
+    data = parse_text("model: {options: {at: 2001-12-14t21:59:43.10-05:00, day: 2002-12-14, "
+                      "2003-01-01: k}}\n", "body")
+    assert data["model"]["options"] == {"at": "2001-12-14t21:59:43.10-05:00", "day": "2002-12-14", "2003-01-01": "k"}
+    json.dumps(data)  # the service stores a spec as JSON

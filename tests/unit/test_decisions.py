@@ -8,7 +8,8 @@ import pytest
 
 from cluster.storage import check_uri, open_root
 from trainers.config import SpecError, validate
-from trainers.launch import resolve_runtime, run_paths
+from trainers.home import job_home
+from trainers.launch import resolve_runtime
 from trainers.loop import lr_factor, step_seed
 
 
@@ -77,9 +78,26 @@ def test_local_root_roundtrip_and_run_paths(tmp_path):
     root.write_json({"a": 1}, "job", "summary.json")
     assert root.read_json("job", "summary.json") == {"a": 1}
     assert root.list_dirs() == ["job"]
-    spec = validate({"name": "j", "checkpoint": {"path": "/ckpts/nested/model_{step}.pt", "storage_root": str(tmp_path)}})
-    storage_path, name = run_paths(spec, open_root(str(tmp_path)))
-    assert (storage_path, name) == (f"{tmp_path}/j/ckpts", "nested")
+    spec = validate({"name": "j", "checkpoint": {"path": "ckpts/nested/model_{step}.pt", "storage_root": str(tmp_path)}})
+    home = job_home(spec)
+    assert home.ray_paths() == (f"{tmp_path}/j/ckpts", "nested") and home.uri == f"{tmp_path}/j"
+
+
+@pytest.mark.parametrize("path,job_folder,run_path", [
+    ("/checkpoints/model_{step}.pt", "/checkpoints", "/checkpoints"),
+    ("/mnt/shared/runs/a/model_{step}.pt", "/mnt/shared/runs/a", "/mnt/shared/runs/a"),
+    ("checkpoints/model_{step}.pt", "{root}/j", "{root}/j/checkpoints"),
+    ("model_{step}.pt", "{root}/j", "{root}/j/checkpoints"),
+])
+def test_an_absolute_checkpoint_path_is_the_jobs_folder(tmp_path, path, job_folder, run_path):
+    home = job_home(validate({"name": "j", "checkpoint": {"path": path, "storage_root": str(tmp_path)}}))
+    assert home.uri == job_folder.format(root=tmp_path) and home.run_path == run_path.format(root=tmp_path)
+
+
+def test_two_jobs_of_one_name_in_two_roots_have_two_keys(tmp_path):
+    a, b = (job_home(validate({"name": "quickstart", "checkpoint": {"storage_root": str(tmp_path / r)}}))
+            for r in ("a", "b"))
+    assert a.key != b.key and a.key.startswith("etrain/quickstart-")
 
 
 def test_missing_user_data_is_refused_before_ray(tmp_path):

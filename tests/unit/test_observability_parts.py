@@ -10,7 +10,7 @@ import pytest
 
 from cluster.dashboards import build_dashboards, panel_queries, push, write_provisioning
 from cluster.metrics import NodeKind, cost_usd, goodput, node_kind, scrape_config
-from service.web import job_page, jobs_page, svg_chart
+from service.web import job_data, job_page, jobs_page
 from trainers.observe import group_kinds
 
 PRICES = {"g5.2xlarge": {"on_demand": 1.2, "spot": 0.5}}
@@ -133,15 +133,22 @@ def test_file_provisioning(tmp_path):
     assert json.loads((tmp_path / "dashboards" / "etrain-job.json").read_text())["uid"] == "etrain-job"
 
 
-def test_charts_mark_interruptions_and_say_when_empty():
-    svg = svg_chart("loss-chart", "loss", [(0, 2.0), (10, 1.0), (20, 0.5)], marks=[12.0])
-    assert "<polyline class='line'" in svg and svg.count("class='interruption'") == 1
-    assert "no data yet" in svg_chart("x", "loss", [])
-    rows = [{"time": 100.0 + i, "step": 10 * i, "loss": 1 / (i + 1), "samples_per_s": 50.0, "world_size": 2,
-             "goodput": 0.9, "cost_usd": 0.01} for i in range(5)]
-    page = job_page({"id": "j-1", "name": "n<script>", "state": "RUNNING"}, rows,
-                    [{"cause": "node lost", "interrupted_at": 102.5, "steps_lost": 3, "recovery_s": 9.0}],
-                    [{"step": 40, "complete": True, "size_bytes": 10, "uri": "/x"}], "line <1>\n")
+def test_the_page_carries_chart_series_by_step_and_interruption_marks():
+    rows = [{"time": 100.0 + i, "step": 10 * i, "target_step": 100, "loss": 1 / (i + 1), "samples_per_s": 50.0,
+             "world_size": 2, "goodput": 0.9, "cost_usd": 0.01} for i in range(1, 6)]
+    interruption = {"cause": "node lost", "interrupted_at": 102.5, "step_reached": 30, "steps_lost": 3,
+                    "recovery_s": 9.0, "world_size_before": 2, "world_size_after": 1}
+    record = {"id": "j-1", "name": "n<script>", "state": "RUNNING"}
+    page = job_page(record, rows, [interruption], [{"step": 40, "complete": True, "size_bytes": 10, "uri": "j-1/c"}],
+                    "line <1>\n")
     assert "n&lt;script&gt;" in page and "<script>" not in page  # names and logs are escaped
-    assert page.count("class='interruption'") == 2 and "goodput 90%" in page and "line &lt;1&gt;" in page
+    assert 'id="progress" class="bar big" value="50" max="100"' in page and "goodput" in page and "90%" in page
+    assert 'id="loss-chart"' in page and 'id="world-chart"' in page and "line &lt;1&gt;" in page
+    data = job_data(record, rows, [interruption], [], "")
+    assert data["chart"]["series"]["step"] == [10, 20, 30, 40, 50]
+    assert data["chart"]["series"]["world_size"] == [2] * 5 and data["chart"]["series"]["tokens_per_s"] == [None] * 5
+    (mark,) = data["chart"]["interruptions"]
+    assert mark["step"] == 30 and mark["label"] == "node lost at step 30: 3 steps lost, world size 2 \u2192 1"
+    assert set(data["html"]) == {"summary", "interruptions", "checkpoints", "log"}
+    assert 'class="interruption-row"' in data["html"]["interruptions"]
     assert "No jobs yet" in jobs_page("t", [])

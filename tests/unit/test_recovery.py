@@ -57,3 +57,43 @@ def test_should_retry(kind, user, max_user, infra, max_infra, retry):
 def test_interruption_record(beat, restored, world, now, expected):
     record = interruption_record(beat, restored, world, now)
     assert {k: record[k] for k in expected} == expected
+
+
+def test_the_cost_record_bills_the_lost_work_and_the_recovery():
+    from cluster.metrics import NodeKind
+    from trainers.observe import ledger_node_hours, open_segment
+
+    spot, ondemand = NodeKind("g5.2xlarge", "spot"), NodeKind("g5.2xlarge", "on_demand")
+    other_run = [{"run_id": "old", "start": 0.0, "end": 10.0, "nodes": [["g5.2xlarge", "spot", 1]]}]
+    segments = open_segment(other_run, "r", 100.0, None, {spot: 2})
+    segments[-1]["end"] = 160.0  # its last checkpoint; it died at its last heartbeat, 175
+    segments = open_segment(segments, "r", 175.0, 175.0, {spot: 1, ondemand: 1})
+    segments[-1]["end"] = 235.0
+    assert segments[0]["end"] == 10.0, "another run's segment is never stretched"
+    assert segments[1]["end"] == 175.0, "the work after the last checkpoint is billed"
+    hours = ledger_node_hours(segments)
+    assert hours[spot] * 3600 == pytest.approx(10 + 2 * 75 + 60) and hours[ondemand] * 3600 == pytest.approx(60)
+
+
+def test_the_node_watch_refreshes_the_planner_when_nodes_come_or_go(monkeypatch):
+    import time
+
+    from cluster import ray_adapter
+    from trainers import launch
+
+    nodes = [{"NodeID": "a", "Alive": True}]
+    refreshed = []
+    monkeypatch.setattr(launch.ray, "nodes", lambda: list(nodes))
+    monkeypatch.setattr(ray_adapter, "refresh_cluster_view", lambda: refreshed.append(len(nodes)))
+    with launch.NodeWatch(0.5):
+        time.sleep(1.2)
+        assert refreshed == [], "no change, no refresh"
+        nodes.append({"NodeID": "b", "Alive": True})  # a spot node joins
+        deadline = time.time() + 10
+        while not refreshed and time.time() < deadline:
+            time.sleep(0.1)
+        assert refreshed == [2]
+    with launch.NodeWatch(0.5, enabled=False):
+        nodes.pop()
+        time.sleep(1.2)
+    assert refreshed == [2], "a fixed-size job is never resized: nothing to watch"

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from trainers.config import SpecError
-from trainers.sweep import best_row, load_sweep, render_table, space_problems, trial_spec_data, tune_space
+from trainers.sweep import best_row, load_sweep, render_table, trial_spec_data, tune_space
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,11 +58,20 @@ BAD_SPACES = [
      "sweep.space.training.batch_size: 1 makes the job spec invalid: training.batch_size: 1: smaller than the most workers"),
     ({"training.optimizer": {"choice": ["AdamW", "Lion"]}}, {}, "\"Lion\" makes the job spec invalid"),
     ({"name": {"choice": ["a", "b"]}}, {}, "sweep.space.name: not searchable"),
+    ({"labels.tenant": {"choice": ["a", "b"]}}, {}, "sweep.space.labels.tenant: not searchable: labels"),
+    ({"labels": {"choice": [{"tenant": "b"}]}}, {}, "sweep.space.labels: not searchable"),
     ({}, {}, "sweep.space: {}: empty"),
     ({"training.batch_size": {"choice": [32]}}, {"metric": "accuracy"}, "sweep.metric: \"accuracy\""),
     ({"training.batch_size": {"choice": [32]}}, {"scheduler": "pbt"}, "sweep.scheduler: \"pbt\""),
     ({"training.batch_size": {"choice": [32]}}, {"num_samples": 0}, "sweep.num_samples: 0: Input should be greater than 0"),
     ({"training.batch_size": {"choice": [32]}}, {"schedular": "asha"}, "sweep.schedular: unknown key: valid keys here are base, space"),
+    # every listed value is checked in its trial's spec: a space lists a bounded number in all
+    ({"training.seed": {"choice": list(range(300))}}, {},
+     "sweep.space.training.seed.choice: 300 values, 300 in the space so far: a space lists at most 256 values in all"),
+    ({"training.seed": {"grid": list(range(200))}, "model.options.x": {"choice": list(range(100))}}, {},
+     "sweep.space.training.seed.grid: 200 values, 300 in the space so far"),  # keys in file order (sorted)
+    ({"model.options.x": {"choice": list(range(255))}, "training.learning_rate": {"uniform": [0.1, 0.2]}}, {},
+     "sweep.space.training.learning_rate.uniform: 2 values, 257 in the space so far"),
 ]
 
 
