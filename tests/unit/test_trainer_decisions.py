@@ -72,7 +72,7 @@ def test_halving_keeps_the_global_batch():
 
 def test_oom_message_names_model_size_and_memory():
     message = oom_message(1, 7_000_000_000, 14 * 2**30, torch.device("cpu"))
-    assert "micro-batch 1" in message and "7000.0M parameters" in message and "14.00 GiB of weights" in message
+    assert "micro-batch 1" in message and "7,000,000,000 parameters" in message and "14.00 GiB of weights" in message
     assert "GiB of memory" in message and "gradient_checkpointing" in message
 
 
