@@ -198,9 +198,9 @@ class CheckpointConfig(Strict):
         5.0, ge=0, description="skip an interval checkpoint taken sooner than this after the last one: Ray Train "
         "registers about one report per 2 s, and faster async uploads would queue up and lag behind")
     preemption_check_steps: int = Field(
-        10, gt=0, description="steps between checks for a spot notice. Each check is a barrier across ranks "
-                              "through Ray: checking every step halved a few-millisecond step's throughput "
-                              "(bench/ddp_overhead.py); keep steps x this well inside the notice's deadline")
+        10, gt=0, description="steps between checks for a spot notice: each rank reads its own notice and the "
+                              "ranks agree in one small all-reduce (with the loss window and the stop vote); "
+                              "keep steps x this well inside the notice's deadline")
 
     @field_validator("path")
     @classmethod
