@@ -95,3 +95,17 @@ def test_a_snapshot_does_not_follow_the_live_state():
     assert snap["step"] == 4 and snap["names"] == ["a", ("b", 1)]
     exp_avg = snap["optimizer"]["state"][0]["exp_avg"]
     assert exp_avg.data_ptr() != opt.state[live.weight]["exp_avg"].data_ptr()
+
+
+def test_short_gil_slices_only_while_the_background_work_runs():
+    import sys
+
+    from trainers.checkpointer import short_gil_slices
+
+    before = sys.getswitchinterval()
+    with short_gil_slices(0.0005):
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(RuntimeError), short_gil_slices(0.0005):
+        raise RuntimeError("a failed upload")
+    assert sys.getswitchinterval() == before
