@@ -5,7 +5,11 @@ times on one local Ray: with no checkpoint but the last, with one every N steps 
 asynchronously, and the same uploaded synchronously. Figures:
 
 - async checkpoint throughput ratio: samples/s with async checkpoints over none. Target >= 0.97.
-- report() blocking seconds, async and sync (median over the job's checkpoints).
+- report() blocking seconds, async and sync (median over the job's checkpoints): what the
+  training thread paid at a checkpoint (the state copy is reported apart, as save seconds).
+- async checkpoints taken: an interval checkpoint is left to the next interval step while the
+  one before is still being written and reported (trainers.checkpointer), so fewer than
+  steps / interval may be taken.
 
     python bench/checkpoint.py [--steps 1500] [--interval 100]
 """
@@ -70,7 +74,7 @@ def main() -> None:
                 raise SystemExit(f"{name} run failed: {summary['error']}")
             rows = read_history(open_root("s3://bench/runs"), spec.name)
             blocked = [r["checkpoint_report_s"] for r in rows if r.get("checkpoint_report_s") is not None]
-            results[name] = (summary["samples_per_s"], statistics.median(blocked) if blocked else None)
+            results[name] = (summary["samples_per_s"], statistics.median(blocked) if blocked else None, len(blocked))
             print(f"[bench] {name}: {results[name][0]:.0f} samples/s, report() median {results[name][1]}s",
                   file=sys.stderr)
     finally:
@@ -81,6 +85,7 @@ def main() -> None:
     print(f"samples/s without checkpoints: {results['none'][0]:.0f}")
     print(f"samples/s with async checkpoints every {args.interval} steps: {results['async'][0]:.0f}")
     print(f"samples/s with sync checkpoints every {args.interval} steps: {results['sync'][0]:.0f}")
+    print(f"async checkpoints taken: {results['async'][2]}")
     print(f"report() blocking with async upload: {results['async'][1]:.3f} s")
     print(f"report() blocking with sync upload: {results['sync'][1]:.3f} s")
     print(f"sync checkpoint throughput ratio: {results['sync'][0] / results['none'][0]:.3f}")

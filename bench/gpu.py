@@ -3,7 +3,8 @@
 1. the measured bf16 matmul rate (the MFU denominator);
 2. the LM workload sized to fill the GPU, trained by `etrain run` with 1 NCCL DDP worker and
    bf16 autocast: tokens/s, samples/s, model FLOPs utilisation (achieved training FLOPs over
-   the measured matmul rate), checkpoint save and report seconds;
+   the measured matmul rate; FLOPs from the real tokens processed and their real sequence
+   length, without gradient checkpointing unless asked), checkpoint save and report seconds;
 3. the CUDA tests (tests/gpu).
 
 Figures print last as `name: value` lines. Without a GPU it says so and exits 2;
@@ -53,6 +54,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--cpu-check", action="store_true", help="run tiny on CPU to check the script")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute activations (off by default: it adds a forward that MFU does not count)")
     args = parser.parse_args()
     import torch
 
@@ -75,6 +78,7 @@ def main() -> None:
             "training.mixed_precision": "bf16", "training.max_steps": steps, "training.batch_size": batch,
             "training.log_interval_steps": max(1, steps // 12), "checkpoint.interval": max(1, steps // 2),
             "checkpoint.min_interval_s": 0, "data.dynamic_batching": False, "training.micro_batch_size": batch,
+            "training.gradient_checkpointing": args.gradient_checkpointing,
             **{f"model.{k}": v for k, v in model_cfg.items()}}
     cmd = [sys.executable, "-m", "trainers.train", str(REPO / "configs" / "lm.yaml"), "--json"]
     for k, v in sets.items():
@@ -95,10 +99,11 @@ def main() -> None:
     rows = read_history(open_root(root), "gpu-bench")
     steady = rows[len(rows) // 3:] or rows  # past warm-up and compilation of kernels
     tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
+    # Attention's FLOPs grow with the context actually processed: real tokens per sequence, not max_seq_len.
+    seq_len = statistics.median(r["tokens_per_s"] / r["samples_per_s"] for r in steady if r["samples_per_s"])
     spec = validate({"name": "x", "model": {"name": "tiny_gpt", **model_cfg}})
     params = sum(p.numel() for p in resolve(spec).build_model(spec).parameters())
-    achieved = tokens_per_s * flops_per_token(params, model_cfg["n_layers"], model_cfg["d_model"],
-                                              model_cfg["max_seq_len"])
+    achieved = tokens_per_s * flops_per_token(params, model_cfg["n_layers"], model_cfg["d_model"], seq_len)
     saves = [r["checkpoint_save_s"] for r in rows if r.get("checkpoint_save_s") is not None]
     reports = [r["checkpoint_report_s"] for r in rows if r.get("checkpoint_report_s") is not None]
     tests = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q"], capture_output=True, text=True,
@@ -108,6 +113,7 @@ def main() -> None:
     print(f"model parameters: {params}")
     print(f"measured matmul tflops: {peak / 1e12:.1f}")
     print(f"tokens/s: {tokens_per_s:.0f}")
+    print(f"tokens per sequence: {seq_len:.0f}")
     print(f"samples/s: {summary['samples_per_s']:.1f}")
     print(f"model tflops achieved: {achieved / 1e12:.2f}")
     print(f"checkpoint save s: {statistics.median(saves) if saves else float('nan'):.2f}")

@@ -123,3 +123,12 @@ def autoscaler_events(lines: list[str]) -> list[str]:
     from ray._private.worker import filter_autoscaler_events
 
     return list(filter_autoscaler_events(lines))
+
+
+def local_preemption_info():
+    """This worker's own copy of a spot notice (Ray Train sets it when a node drain names the group),
+    read without the cross-rank barrier of ``ray.train.get_preemption_info``: the training loop
+    checks it often and agrees on it in an all-reduce it already does."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context().preemption_context.preemption_info

@@ -103,7 +103,9 @@ class TrainingConfig(Strict):
     momentum: float = Field(0.9, ge=0, lt=1)
     mixed_precision: Literal["none", "bf16", "fp16"] = "none"
     grad_accum_steps: int | None = Field(None, gt=0)
-    micro_batch_size: int | None = Field(None, gt=0)
+    micro_batch_size: Annotated[int, Field(gt=0)] | Literal["auto"] | None = Field(
+        None, description="samples per forward/backward on a worker; 'auto': start at the whole per-worker share "
+                          "and halve it (doubling accumulation) on out-of-memory, checked every step")
     gradient_checkpointing: bool = False
     grad_clip_norm: float | None = Field(None, gt=0)
     lr_schedule: LRSchedule = LRSchedule()
@@ -196,9 +198,9 @@ class CheckpointConfig(Strict):
         5.0, ge=0, description="skip an interval checkpoint taken sooner than this after the last one: Ray Train "
         "registers about one report per 2 s, and faster async uploads would queue up and lag behind")
     preemption_check_steps: int = Field(
-        10, gt=0, description="steps between checks for a spot notice. Each check is a barrier across ranks "
-                              "through Ray: checking every step halved a few-millisecond step's throughput "
-                              "(bench/ddp_overhead.py); keep steps x this well inside the notice's deadline")
+        10, gt=0, description="steps between checks for a spot notice: each rank reads its own notice and the "
+                              "ranks agree in one small all-reduce (with the loss window and the stop vote); "
+                              "keep steps x this well inside the notice's deadline")
 
     @field_validator("path")
     @classmethod
@@ -662,7 +664,7 @@ def default_name(stem: str) -> str:
     return name[:63]
 
 
-def batching_summary(global_batch: int, world_size: int, micro_batch_size: int | None,
+def batching_summary(global_batch: int, world_size: int, micro_batch_size: int | str | None,
                      grad_accum_steps: int | None) -> tuple[int, int, int]:
     """(per-worker samples, micro-batch size, accumulation steps) for a world size.
 
@@ -670,7 +672,9 @@ def batching_summary(global_batch: int, world_size: int, micro_batch_size: int |
     resize changes only these derived numbers, never the optimisation.
     """
     per_worker = math.ceil(global_batch / world_size)
-    if micro_batch_size:
+    if micro_batch_size == "auto":
+        micro = per_worker
+    elif micro_batch_size:
         micro = min(micro_batch_size, per_worker)
     elif grad_accum_steps:
         micro = math.ceil(per_worker / grad_accum_steps)

@@ -28,11 +28,18 @@ class MetricsHistory:
 
     def flush(self) -> None:
         """Write the rows since the last flush as one file; called at checkpoints and at the end."""
-        if not self.rows:
+        self.write(self.take())
+
+    def take(self) -> list[dict]:
+        """The rows since the last flush, handed over (the training thread takes, a background thread writes)."""
+        rows, self.rows = self.rows, []
+        return rows
+
+    def write(self, rows: list[dict]) -> None:
+        if not rows:
             return
-        name = f"{self.rows[0]['step']:010d}-{self.rows[-1]['step']:010d}-{int(self.rows[-1]['time'] * 1000)}.jsonl"
-        self.root.write_bytes("".join(json.dumps(r) + "\n" for r in self.rows).encode(), self.job, HISTORY_DIR, name)
-        self.rows = []
+        name = f"{rows[0]['step']:010d}-{rows[-1]['step']:010d}-{int(rows[-1]['time'] * 1000)}.jsonl"
+        self.root.write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode(), self.job, HISTORY_DIR, name)
 
 
 def read_history(root: StorageRoot, job: str) -> list[dict]:

@@ -382,6 +382,9 @@ def make_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_path: s
     return {
         "name": spec.name, "status": status, "final_step": final, "target_step": target,
         "global_batch_size": spec.training.batch_size, "world_size": metrics.get("world_size"),
+        # Out-of-memory healing: the split the run ended with, and how many times it was halved.
+        "micro_batch_size": metrics.get("micro_batch_size"),
+        "micro_batch_reductions": metrics.get("micro_batch_reductions", 0),
         "samples_per_s": metrics.get("steady_samples_per_s"), "final_loss": metrics.get("loss"),
         "train_seconds": metrics.get("train_seconds"), "wall_time_s": round(wall_time_s, 2),
         "goodput": metrics.get("goodput"), "cost_usd": metrics.get("cost_usd"),

@@ -16,6 +16,7 @@ import posixpath
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -159,12 +160,23 @@ class Observer:
 
     def flush(self) -> None:
         """At checkpoints and at the end: history chunk and TensorBoard events to storage."""
-        if self.history is not None:
-            self.history.flush()
-            self.tb.upload()
+        self.flusher()()
+
+    def flusher(self) -> Callable[[], None]:
+        """What to flush, taken now on the training thread; the writes, to run in the background."""
+        rows = self.history.take() if self.history is not None else []
         if self.segments:
             self.segments[-1]["end"] = time.time()
-            self.root.write_json(self.segments, self.job, COST_FILE)
+        segments = [dict(s) for s in self.segments]
+
+        def write() -> None:
+            if self.history is not None:
+                self.history.write(rows)
+                self.tb.upload()
+            if segments:
+                self.root.write_json(segments, self.job, COST_FILE)
+
+        return write
 
     def close(self) -> None:
         """End of an attempt: stop a running trace and remove local staging (the last flush uploaded it)."""

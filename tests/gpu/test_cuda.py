@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -29,4 +31,5 @@ def test_a_gpu_job_trains_and_resumes(ray_local, tmp_path, precision):
     code, summary = run_job(spec, stop_at_step=10)
     assert summary["final_step"] == 10
     code, summary = run_job(spec)
-    assert code == EXIT_OK and summary["final_step"] == 20 and summary["final_loss"] < 6.0
+    assert code == EXIT_OK and summary["final_step"] == 20
+    assert summary["final_loss"] < 0.8 * math.log(257), summary  # well below a uniform guess over bytes

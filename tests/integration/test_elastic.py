@@ -16,7 +16,7 @@ from trainers.config import validate
 from trainers.data import rank_share
 from trainers.home import job_home
 from trainers.launch import EXIT_STOPPED, run_job
-from trainers.loop import plan_for
+from trainers.trainer import plan_for
 from trainers.recovery import StopFlag
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

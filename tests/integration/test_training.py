@@ -102,7 +102,7 @@ def test_two_workers_learn_text_with_dynamic_batching(ray_local, tmp_path):
     code, summary = run_job(spec)
     assert code == EXIT_OK, summary
     from trainers.data import StepMicroBatches
-    from trainers.loop import plan_for
+    from trainers.trainer import plan_for
     from trainers.workloads import resolve
 
     workload = resolve(spec)
@@ -342,3 +342,35 @@ def test_no_local_checkpoint_or_tensorboard_copies_are_left_behind(ray_local, tm
     assert code == EXIT_OK, summary
     assert len(list((tmp_path / name / "checkpoints").glob("checkpoint_0*"))) == 4
     assert leftover_staging(name, tmp_path / name / "checkpoints") == []
+
+
+def oom_spec(root, name, micro, limit=16):
+    return validate({"fault_tolerance": {"max_failures": 0},
+        "name": name, "training": {"batch_size": 128, "learning_rate": 0.05, "max_steps": 6, "micro_batch_size": micro},
+        "distributed": {"num_workers": 2}, "checkpoint": {"interval": 3, "min_interval_s": 0, "storage_root": str(root)},
+        "model": {"factory": "userpkg:memory_bound_model", "options": {"limit": limit}},
+        "data": {"factory": "userpkg:make_data", "options": {"n": 600}},
+    })
+
+
+def test_out_of_memory_halves_the_micro_batch_and_keeps_the_result(ray_local, tmp_path):
+    """A model that fails above micro-batch 16: 'auto' (64 per worker) and a set 64 heal to 16 on
+    every rank and end where a run set to 16 from the start ends; the summary says so."""
+    code, fits = run_job(oom_spec(tmp_path, "fits", 16))
+    assert code == EXIT_OK, fits
+    assert fits["micro_batch_size"] == 16 and fits["micro_batch_reductions"] == 0
+    for micro in ("auto", 64):
+        code, healed = run_job(oom_spec(tmp_path, f"healed-{micro}", micro))
+        assert code == EXIT_OK, healed
+        assert healed["micro_batch_size"] == 16 and healed["micro_batch_reductions"] == 2, healed
+        a, b = final_state(fits), final_state(healed)
+        assert b["batching"]["reductions"] == [{"step": 0, "from": 64, "to": 32}, {"step": 0, "from": 32, "to": 16}]
+        for key in a["model"]:
+            torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_memory_at_micro_batch_one_names_model_size_and_memory(ray_local, tmp_path):
+    code, summary = run_job(oom_spec(tmp_path, "never-fits", "auto", limit=0))
+    assert code != EXIT_OK
+    assert "out of memory at micro-batch 1" in summary["error"] and "parameters" in summary["error"], summary
+    assert "GiB of memory" in summary["error"], summary

@@ -10,7 +10,7 @@ from cluster.storage import check_uri, open_root
 from trainers.config import SpecError, validate
 from trainers.home import job_home
 from trainers.launch import resolve_runtime
-from trainers.loop import lr_factor, step_seed
+from trainers.trainer import lr_factor, step_seed
 
 
 @pytest.mark.parametrize("step,expected", [(0, 0.1), (9, 1.0), (10, 1.0), (55, 0.55), (100, 0.1)])

@@ -95,3 +95,17 @@ def test_rays_autoscaler_event_filter_takes_the_lines():
     from ray._private.worker import filter_autoscaler_events
 
     assert list(inspect.signature(filter_autoscaler_events).parameters) == ["lines"]  # it needs a connected Ray
+
+
+def test_the_local_preemption_notice_is_what_get_preemption_info_agrees_on():
+    """The loop reads each worker's own notice (no barrier) and agrees in its all-reduce: that
+    value must still be the one Ray's barrier broadcasts, and the context must be process-wide
+    (the checkpointer reports from a background thread)."""
+    from ray.train.v2._internal.execution import context, train_fn_utils
+    from ray.train.v2._internal.execution.context import PreemptionContext
+
+    assert "preemption_context.preemption_info" in inspect.getsource(
+        train_fn_utils.DistributedTrainFnUtils.get_preemption_info)
+    assert PreemptionContext().preemption_info is None
+    assert "_train_context" in vars(context) and "global _train_context" in inspect.getsource(context.set_train_context)
+    assert "preemption_context" in inspect.getsource(ray_adapter.local_preemption_info)

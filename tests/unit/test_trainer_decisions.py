@@ -1,0 +1,111 @@
+"""The Trainer's and the checkpointer's decisions, table-driven: when to sync, when to checkpoint,
+when ranks vote on out-of-memory, how a split shrinks, and what a snapshot copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainers.checkpointer import Kind, checkpoint_kind, interval_checkpoint_ok, to_cpu
+from trainers.config import batching_summary, validate
+from trainers.trainer import halved_split, oom_message, oom_vote_due, sync_due
+
+
+@pytest.mark.parametrize("done,log,preempt,interval,due", [
+    (10, 10, 10, 1000, True),
+    (5, 10, 10, 1000, False),
+    (5, 100, 5, 1000, True),  # a preemption check needs the all-reduce, not a log line
+    (1000, 100, 7, 1000, True),
+    (999, 100, 7, 1000, False),
+    (7, 100, 7, 3, True),
+])
+def test_sync_due(done, log, preempt, interval, due):
+    assert sync_due(done, log, preempt, interval) is due
+
+
+@pytest.mark.parametrize("done,stop,interval,gap_ok,preempted,stop_requested,kind", [
+    (100, 1000, 100, True, False, False, Kind.INTERVAL),
+    (100, 1000, 100, False, False, False, None),  # too soon after the last one
+    (150, 1000, 100, True, False, False, None),
+    (1000, 1000, 100, False, False, False, Kind.FINAL),  # the end, whatever the gap
+    (37, 1000, 100, False, False, True, Kind.FINAL),  # a stop request
+    (37, 1000, 100, False, True, False, Kind.JIT),
+    (1000, 1000, 100, True, True, True, Kind.JIT),  # a notice wins: it must be durable before the node goes
+])
+def test_checkpoint_kind(done, stop, interval, gap_ok, preempted, stop_requested, kind):
+    assert checkpoint_kind(done, stop, interval, gap_ok, preempted, stop_requested) is kind
+
+
+@pytest.mark.parametrize("since_last_s,min_gap_s,in_flight,ok", [
+    (10.0, 5.0, False, True), (1.0, 5.0, False, False), (10.0, 5.0, True, False), (0.0, 0.0, False, True),
+    (0.0, 0.0, True, False),  # never wait on Ray's one-report-per-poll: the next interval step takes it
+])
+def test_interval_checkpoint_ok(since_last_s, min_gap_s, in_flight, ok):
+    assert interval_checkpoint_ok(since_last_s, min_gap_s, in_flight) is ok
+
+
+@pytest.mark.parametrize("auto,steps_at_split,vote", [
+    (True, 0, True), (True, 500, True), (False, 0, True), (False, 1, False), (False, 500, False),
+])
+def test_oom_vote_due(auto, steps_at_split, vote):
+    assert oom_vote_due(auto, steps_at_split) is vote
+
+
+@pytest.mark.parametrize("micro,per_worker,tokens,split", [
+    (64, 64, None, (32, 2, None)),
+    (32, 64, None, (16, 4, None)),
+    (3, 64, None, (1, 64, None)),
+    (1, 64, None, None),  # nothing left to halve: the clear error
+    (16, 16, 512, (8, 2, 256)),  # by tokens: the budget halves too
+    (1, 16, 512, (1, 16, 256)),
+])
+def test_halved_split(micro, per_worker, tokens, split):
+    assert halved_split(micro, per_worker, tokens) == split
+
+
+def test_halving_keeps_the_global_batch():
+    micro, per_worker = 64, 64
+    while (split := halved_split(micro, per_worker, None)) is not None:
+        micro, accum, _ = split
+        assert micro * accum == per_worker
+
+
+def test_oom_message_names_model_size_and_memory():
+    message = oom_message(1, 7_000_000_000, 14 * 2**30, torch.device("cpu"))
+    assert "micro-batch 1" in message and "7,000,000,000 parameters" in message and "14.00 GiB of weights" in message
+    assert "GiB of memory" in message and "gradient_checkpointing" in message
+
+
+def test_micro_batch_auto_starts_at_the_whole_share():
+    assert batching_summary(128, 2, "auto", None) == (64, 64, 1)
+    assert validate({"training": {"micro_batch_size": "auto"}}).training.micro_batch_size == "auto"
+
+
+def test_a_snapshot_does_not_follow_the_live_state():
+    live = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(live.parameters())
+    live(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    snap = to_cpu({"model": live.state_dict(), "optimizer": opt.state_dict(), "step": 4, "names": ["a", ("b", 1)]})
+    before = snap["model"]["weight"].clone()
+    with torch.no_grad():
+        live.weight.add_(1.0)
+    opt.step()
+    assert torch.equal(snap["model"]["weight"], before)
+    assert snap["step"] == 4 and snap["names"] == ["a", ("b", 1)]
+    exp_avg = snap["optimizer"]["state"][0]["exp_avg"]
+    assert exp_avg.data_ptr() != opt.state[live.weight]["exp_avg"].data_ptr()
+
+
+def test_short_gil_slices_only_while_the_background_work_runs():
+    import sys
+
+    from trainers.checkpointer import short_gil_slices
+
+    before = sys.getswitchinterval()
+    with short_gil_slices(0.0005):
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(RuntimeError), short_gil_slices(0.0005):
+        raise RuntimeError("a failed upload")
+    assert sys.getswitchinterval() == before

@@ -1,0 +1,182 @@
+"""The checkpointer: when to take a checkpoint, and taking it without stalling training.
+
+At a checkpoint step every rank copies what it must (rank 0: the full state, to CPU memory,
+pinned when it lives on a GPU) and goes back to training. A background thread per rank then
+writes the files (rank 0), calls ``ray.train.report`` once they are complete (a barrier on
+every rank, paid off the step path; Ray's upload thread moves the bytes), prunes old
+checkpoints, beats the heartbeat and flushes the metrics history. One thread per rank keeps
+Ray's collectives in the same order on every rank; while it is busy, an interval checkpoint
+is left to the next interval step rather than stall training.
+
+A just-in-time checkpoint (a spot notice) is synchronous: it drains the thread, writes and
+uploads before the node goes, on the training thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+from trainers import checkpoint as ckpt
+
+
+class Kind(Enum):
+    INTERVAL = "interval"
+    FINAL = "final"  # the run's last step, or a stop request
+    JIT = "jit"  # a preemption notice: durable before the node goes
+
+
+def checkpoint_kind(done: int, stop: int, interval_steps: int, gap_ok: bool, preempted: bool,
+                    stop_requested: bool) -> Kind | None:
+    """Which checkpoint, if any, step ``done`` takes. ``gap_ok``: the minimum time since the last one passed."""
+    if preempted:
+        return Kind.JIT
+    if done == stop or stop_requested:
+        return Kind.FINAL
+    if done % interval_steps == 0 and gap_ok:
+        return Kind.INTERVAL
+    return None
+
+
+def interval_checkpoint_ok(since_last_s: float, min_gap_s: float, previous_in_flight: bool) -> bool:
+    """Whether an interval checkpoint is taken now, or left to the next interval step.
+
+    Never while the previous one is still being written and reported: Ray takes one report per
+    controller poll (about 2 s), so waiting for it would stall training; skipping costs only
+    how fresh the newest checkpoint is.
+    """
+    return since_last_s >= min_gap_s and not previous_in_flight
+
+
+def to_cpu(obj, pin: bool = False):
+    """A deep copy of a state tree with every tensor on CPU: training may change the originals at once."""
+    if torch.is_tensor(obj):
+        if obj.device.type == "cpu":
+            return obj.detach().clone()
+        out = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pin)
+        return out.copy_(obj.detach(), non_blocking=pin)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v, pin) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v, pin) for v in obj)
+    return obj
+
+
+@contextlib.contextmanager
+def short_gil_slices(interval_s: float = 0.0005):
+    """While the background thread runs Python, hand the GIL back to the training thread within
+    ``interval_s`` of its asking (after each torch op it releases it) instead of Python's 5 ms."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(interval_s)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+@dataclass
+class Timing:
+    """What the last checkpoint cost: on the training thread, and in the background."""
+
+    snapshot_s: float = 0.0  # copying the state (rank 0)
+    blocked_s: float = 0.0  # the training thread waited for the previous checkpoint or a sync upload
+
+
+class Checkpointer:
+    """Owns cadence, the background write/report, JIT checkpoints and retention."""
+
+    def __init__(self, spec, root, run_path: str, rank: int, world: int, device: torch.device,
+                 staging: str | None, after_report: Callable[[int, bool], None]):
+        """``after_report(step, jit)``: run after each report (the heartbeat), on the reporting thread."""
+        c = spec.checkpoint
+        self.interval_steps, self.min_gap_s, self.background = c.interval, c.min_interval_s, c.upload == "async"
+        self.spec, self.root, self.run_path = spec, root, run_path
+        self.rank, self.world, self.device, self.staging = rank, world, device, staging
+        self.after_report = after_report
+        self.last_at = float("-inf")
+        self.timing = Timing()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="etrain-checkpoint")
+        self._pending: Future | None = None
+
+    def kind(self, done: int, stop: int, preempted: bool, stop_requested: bool) -> Kind | None:
+        gap_ok = (not preempted and not stop_requested and done != stop and done % self.interval_steps == 0
+                  and self._gap_ok())
+        return checkpoint_kind(done, stop, self.interval_steps, gap_ok, preempted, stop_requested)
+
+    def _gap_ok(self) -> bool:
+        """Rank 0 decides, every rank agrees (one broadcast, at interval steps only)."""
+        in_flight = self._pending is not None and not self._pending.done()
+        ok = interval_checkpoint_ok(time.monotonic() - self.last_at, self.min_gap_s, in_flight)
+        if self.world == 1:
+            return ok
+        due = torch.tensor([float(ok)], device=self.device)
+        dist.broadcast(due, src=0)
+        return bool(due.item())
+
+    def save(self, done: int, kind: Kind, state: Callable[[], dict] | None, metrics: dict,
+             then: Callable[[], None] = lambda: None) -> None:
+        """Take a checkpoint at step ``done``. ``state`` builds rank 0's state (other ranks: None);
+        ``then`` runs after the report, on the same thread (the observer's writes to storage)."""
+        started = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - started
+        snap_at = time.perf_counter()
+        snapshot = to_cpu(state(), pin=self.device.type == "cuda") if state is not None else None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.timing = Timing(snapshot_s=time.perf_counter() - snap_at, blocked_s=waited)
+        self.last_at = time.monotonic()
+        if kind is Kind.JIT or not self.background:
+            sync_at = time.perf_counter()
+            self._write_and_report(done, snapshot, dict(metrics), kind is Kind.JIT, then)
+            self.timing.blocked_s += time.perf_counter() - sync_at
+        else:
+            self._pending = self._pool.submit(self._in_background, done, snapshot, dict(metrics), then)
+
+    def wait(self) -> None:
+        """Until the checkpoint in flight is reported; its error, if any, is raised here."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _in_background(self, done: int, state: dict | None, metrics: dict, then: Callable[[], None]) -> None:
+        with short_gil_slices():
+            self._write_and_report(done, state, metrics, False, then)
+
+    def _write_and_report(self, done: int, state: dict | None, metrics: dict, jit: bool,
+                          then: Callable[[], None]) -> None:
+        import ray.train
+        from ray.train import Checkpoint, CheckpointUploadMode
+
+        checkpoint, directory = None, None
+        if state is not None:
+            directory = tempfile.mkdtemp(prefix=f"ckpt-{done}-", dir=self.staging)
+            ckpt.write_local(directory, state, self.spec.checkpoint.file_name(done), metrics)
+            checkpoint = Checkpoint.from_directory(directory)
+        # In the background, Ray's own upload thread takes it from here (and deletes the folder once
+        # uploaded); Ray registers one report per controller poll, so uploads queue there, in order.
+        mode = CheckpointUploadMode.ASYNC if self.background and not jit else CheckpointUploadMode.SYNC
+        try:
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
+                             checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True)
+        finally:
+            if directory is not None and mode == CheckpointUploadMode.SYNC:
+                shutil.rmtree(directory, ignore_errors=True)  # a failed upload leaves no copy either
+        if self.rank == 0:
+            c = self.spec.checkpoint
+            ckpt.prune(self.root.fs, self.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
+        self.after_report(done, jit)
+        then()
