@@ -35,7 +35,7 @@ from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, batching_summary
 from trainers.console import progress_line
-from trainers.data import BatchPlan, PlanSampler, StepMicroBatches, make_loader
+from trainers.data import BatchPlan, Feed, StepMicroBatches
 from cluster.metrics import node_kind
 from trainers.observe import Observer, group_kinds
 from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, StopFlag, interruption_record
@@ -74,7 +74,8 @@ def plan_for(spec: JobSpec, dataset) -> BatchPlan:
     """The job's order of global batches: what a resume must find again, whatever the workers."""
     lengths = getattr(dataset, "lengths", None)
     return BatchPlan(len(dataset), spec.training.batch_size, spec.training.seed, spec.data.shuffle,
-                     lengths=lengths if spec.data.dynamic_batching else None)
+                     lengths=lengths if spec.data.dynamic_batching else None,
+                     group_sizes=getattr(dataset, "group_sizes", None), window=spec.data.shuffle_window_row_groups)
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -110,14 +111,14 @@ def train_loop_per_worker(config: dict) -> None:
         choice = [chosen.path if chosen else None]
     if world > 1:
         dist.broadcast_object_list(choice, src=0)
-    start, restored = 0, None
+    start, restored, loader_choice = 0, None, None
     if choice[0]:
         state = ckpt.load_state(root.fs, choice[0])
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        start, restored = state["step"], state.get("observer")
+        start, restored, loader_choice = state["step"], state.get("observer"), state.get("loader")
         if rank == 0:
             print(f"[etrain] resumed from step {start} (saved at world size {state['world_size']}, "
                   f"now {world}; cursor {state['cursor']})", flush=True)
@@ -135,7 +136,8 @@ def train_loop_per_worker(config: dict) -> None:
 
     per_worker, micro, accum = batching_summary(t.batch_size, world, t.micro_batch_size, t.grad_accum_steps)
     steps = StepMicroBatches(plan, rank, world, micro, spec.data.max_tokens_per_batch if spec.data.dynamic_batching else None)
-    loader = make_loader(dataset, PlanSampler(steps, start, stop), spec.data.num_workers, spec.data.prefetch_factor)
+    feed = Feed(dataset, steps, start, stop, spec.data.num_workers, spec.data.prefetch_factor, device,
+                tuned=loader_choice, announce=(lambda line: print(line, flush=True)) if rank == 0 else None)
     if rank == 0:
         print(f"[etrain] {spec.name}: world size {world}, global batch {t.batch_size} = {per_worker}/worker "
               f"(micro-batch {micro} x {accum} accumulation{', dynamic by tokens' if spec.data.dynamic_batching else ''}); "
@@ -164,7 +166,6 @@ def train_loop_per_worker(config: dict) -> None:
     window = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, samples, tokens, stop request
     window_start = time.perf_counter()
     run_start, steady_start, steady_samples = window_start, None, 0
-    batches = iter(loader)
     model.train()
 
     try:
@@ -175,7 +176,7 @@ def train_loop_per_worker(config: dict) -> None:
             scale = world / global_samples
             for i in range(len(shares)):
                 waited = time.perf_counter()
-                batch = _to_device(next(batches), device)
+                batch = feed.next()
                 observer.loader_wait(time.perf_counter() - waited)
                 sync = contextlib.nullcontext() if (i == len(shares) - 1 or world == 1) else model.no_sync()
                 with sync:
@@ -265,7 +266,7 @@ def train_loop_per_worker(config: dict) -> None:
                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                     "world_size": world, "global_batch_size": t.batch_size,
                     "rng": {"scheme": "torch.manual_seed(step_seed(seed, step, rank)) each step", "seed": t.seed},
-                    "metrics": metrics, "observer": observer.checkpoint_state(),
+                    "metrics": metrics, "observer": observer.checkpoint_state(), "loader": feed.state(),
                 }
                 saving = time.perf_counter()
                 ckpt.write_local(directory, state, spec.checkpoint.file_name(done), metrics)
@@ -372,8 +373,3 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     model = getattr(model, "_orig_mod", model)  # torch.compile
     return getattr(model, "module", model)  # DDP
 
-
-def _to_device(batch, device: torch.device):
-    if isinstance(batch, dict):
-        return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-    return batch
