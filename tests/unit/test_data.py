@@ -206,7 +206,7 @@ def test_feature_source_fetches_the_rows_asked_for_across_row_groups_and_files(t
     x_all = np.concatenate([np.stack(t.column("feat").to_numpy(zero_copy_only=False)) for t in (a, b)])
     y_all = np.concatenate([t.column("cls").to_numpy() for t in (a, b)])
     ids = np.random.default_rng(0).permutation(len(source))[:77]
-    out = source.fetch(ids, [30, 30, 17], upcoming=[])
+    out = list(source.fetch(ids, [30, 30, 17], upcoming=[]))
     assert [len(mb["y"]) for mb in out] == [30, 30, 17]
     assert torch.equal(torch.cat([mb["x"] for mb in out]), torch.from_numpy(x_all[ids]))
     assert torch.equal(torch.cat([mb["y"] for mb in out]), torch.from_numpy(y_all[ids]))

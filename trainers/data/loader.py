@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from trainers.data.autotune import LoaderSetting, ladder, next_setting
 from trainers.data.plan import StepMicroBatches
+from trainers.data.sources import Stacked
 
 
 class StepChunks(Sampler[list[int]]):
@@ -39,36 +40,71 @@ class StepChunks(Sampler[list[int]]):
         return math.ceil(max(0, self.stop - self.start) / self.chunk_steps)
 
 
-class StepDataset(Dataset):
-    """Map-style view of a source by steps: ``__getitems__(steps)`` gives their micro-batches."""
+class SlotRef:
+    """A worker's answer when the rows went into a shared-memory slot: which slot, what sizes."""
 
-    def __init__(self, source, steps: StepMicroBatches, stop: int, chunk_steps: int):
-        self.source, self.steps, self.stop, self.chunk_steps = source, steps, stop, chunk_steps
+    def __init__(self, slot: int, sizes: list[int]):
+        self.slot, self.sizes = slot, sizes
+
+
+class StepDataset(Dataset):
+    """Map-style view of a source by steps: ``__getitems__(steps)`` gives their micro-batches.
+
+    With ``slots`` (shared-memory tensors made before the workers start, one row per chunk in
+    flight) a worker writes a chunk's rows into slot ``chunk % slots`` and hands over only a
+    ``SlotRef``: the main process reads the rows where they are, with no copy and no pipe.
+    A slot is rewritten only ``len(slots)`` chunks later, after the loop has moved past it.
+    """
+
+    def __init__(self, source, steps: StepMicroBatches, start: int, stop: int, chunk_steps: int,
+                 slots: dict[str, torch.Tensor] | None = None):
+        self.source, self.steps, self.start, self.stop, self.chunk_steps = source, steps, start, stop, chunk_steps
+        self.slots = slots
+
+    def resolve(self, item: tuple) -> Iterator[tuple[dict, bool]]:
+        """A fetched chunk's micro-batches, each with whether it ends its step."""
+        payload, per_step = item
+        if isinstance(payload, SlotRef):
+            n = sum(payload.sizes)
+            payload = Stacked({k: v[payload.slot][:n] for k, v in self.slots.items()}, payload.sizes)
+        ends = {int(i) - 1 for i in np.cumsum(per_step)}
+        for i, mb in enumerate(payload):
+            yield mb, i in ends
 
     def __len__(self) -> int:
         return len(self.source)
 
-    def __getitems__(self, chunk: list[int]) -> list[dict]:
+    def __getitems__(self, chunk: list[int]) -> tuple:
+        """(the chunk's micro-batches or where they are, how many micro-batches each step has)."""
+        per_step = [len(self.steps.at(step)) for step in chunk]
         mbs = [mb for step in chunk for mb in self.steps.at(step)]
         info = get_worker_info()
         following = chunk[0] + self.chunk_steps * (info.num_workers if info else 1)  # this process's next chunk
         upcoming = [mb for step in range(following, min(following + self.chunk_steps, self.stop))
                     for mb in self.steps.at(step)]
-        groups = np.unique(self.source.groups_of(np.concatenate(upcoming))).tolist() if upcoming else []
-        return self.source.fetch(np.concatenate(mbs), [len(mb) for mb in mbs], groups)
+        groups = self.source.groups_needed(np.concatenate(upcoming)) if upcoming else []
+        sizes = [len(mb) for mb in mbs]
+        if self.slots is None:
+            return self.source.fetch(np.concatenate(mbs), sizes, groups), per_step
+        slot = (chunk[0] - self.start) // self.chunk_steps % len(next(iter(self.slots.values())))
+        self.source.fetch(np.concatenate(mbs), sizes, groups, out={k: v[slot] for k, v in self.slots.items()})
+        return SlotRef(slot, sizes), per_step
 
 
-def _as_is(batch: list[dict]) -> list[dict]:
+def _as_is(batch: tuple) -> tuple:
     """The micro-batches come out of ``__getitems__`` whole: nothing to collate."""
     return batch
 
 
 def chunk_steps_for(source, steps: StepMicroBatches) -> int:
-    """Steps per fetch: about ``chunk_samples`` for this rank, but a chunk never spans more of
-    the epoch's order than one shuffle window, so what a fetch holds stays within two windows."""
+    """Steps per fetch: about ``chunk_samples`` for this rank, but, when the data spans several
+    windows, a chunk never spans more of the epoch's order than one shuffle window, so what a
+    fetch holds stays within two windows."""
     plan = steps.plan
-    window_samples = plan.window * plan.num_samples / len(plan.group_sizes)
     wanted = math.ceil(source.chunk_samples / max(1, steps.share_size()))
+    if len(plan.group_sizes) <= plan.window:
+        return wanted  # one window holds it all
+    window_samples = plan.window * plan.num_samples / len(plan.group_sizes)
     return max(1, min(wanted, int(window_samples // plan.global_batch)))
 
 
@@ -111,30 +147,40 @@ class Feed:
         if w:
             self.source.release()  # worker processes read and hold their own row groups
         extra = {"prefetch_factor": self.setting.prefetch_factor, "persistent_workers": False} if w else {}
-        loader = DataLoader(StepDataset(self.source, self.steps, self.stop, self.chunk_steps),
-                            batch_sampler=StepChunks(step, self.stop, self.chunk_steps), num_workers=w,
-                            collate_fn=_as_is, pin_memory=self.device.type == "cuda", **extra)
-        self._items = (mb for chunk in loader for mb in chunk)
+        pin = self.device.type == "cuda"
+        shapes = self.source.slot_shapes() if w and not pin else None
+        slots = None
+        if shapes:  # in flight: workers x prefetch; plus the chunk being read and the one before
+            count, rows = w * self.setting.prefetch_factor + 2, self.chunk_steps * self.steps.max_share_size()
+            slots = {k: torch.empty((count, rows, *shape), dtype=dtype).share_memory_()
+                     for k, (shape, dtype) in shapes.items()}
+        dataset = StepDataset(self.source, self.steps, step, self.stop, self.chunk_steps, slots)
+        loader = DataLoader(dataset, batch_sampler=StepChunks(step, self.stop, self.chunk_steps), num_workers=w,
+                            collate_fn=_as_is, pin_memory=pin, **extra)
+        self._items = (pair for chunk in loader for pair in dataset.resolve(chunk))
         self.opened_at = step
         self.probe: tuple[int, float, float] | None = None  # (first step, start time, wait so far)
         self.warm_steps = self.chunk_steps * max(1, w)  # the first round of fetches pays for start-up
 
-    def _move(self, batch: dict) -> dict:
+    def _pull(self) -> tuple[dict, bool]:
+        """The next micro-batch from the loader; on a GPU, its copy to the device is under way."""
+        batch, ends_step = next(self._items)
         if self.stream is None:
-            return batch
+            return batch, ends_step
         with torch.cuda.stream(self.stream):
-            return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+            moved = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return moved, ends_step
 
     def next(self) -> dict:
         """The next micro-batch, on the device (the loop knows how many each step has)."""
         started = time.perf_counter()
         if self.index == 0 and self.tuning:
             self._tune(started)
-        batch = self._ahead if self._ahead is not None else self._move(next(self._items))
+        batch, ends_step = self._ahead if self._ahead is not None else self._pull()
         self.index += 1
-        if self.index == len(self.steps.at(self.step)):
+        if ends_step:
             self.step, self.index = self.step + 1, 0
-        self._ahead = self._move(next(self._items)) if self.stream is not None and self.step < self.stop else None
+        self._ahead = self._pull() if self.stream is not None and self.step < self.stop else None
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self.stream)

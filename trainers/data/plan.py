@@ -204,3 +204,7 @@ class StepMicroBatches:
     def share_size(self) -> int:
         """Samples per step on this rank (the smallest share; tails add a few)."""
         return self.plan.global_batch // self.world_size
+
+    def max_share_size(self) -> int:
+        """The most samples a step can give this rank: an epoch's last batch takes the short tail."""
+        return -(-(2 * self.plan.global_batch - 1) // self.world_size)

@@ -8,7 +8,7 @@ one, else item by item, and collated with PyTorch's ``default_collate``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,33 @@ from torch.utils.data import Dataset, default_collate
 from trainers.data.parquet import ParquetFiles, RowGroupCache
 from trainers.data.plan import group_offsets
 
-CHUNK_SAMPLES = 1024  # samples per loader fetch of Parquet data: amortises a worker's hand-over
+CHUNK_SAMPLES = 4096  # samples per loader fetch of Parquet data: amortises a worker's hand-over
+
+
+class Stacked:
+    """Micro-batches stacked along the first dimension: a worker process hands over one tensor
+    per field for a whole fetch (not one per micro-batch); they are split, as views, on arrival."""
+
+    def __init__(self, fields: dict[str, torch.Tensor], sizes: Sequence[int]):
+        self.fields, self.sizes = fields, list(sizes)
+
+    def __iter__(self) -> Iterator[dict]:
+        parts = {k: torch.split(v, self.sizes) for k, v in self.fields.items()}
+        for i in range(len(self.sizes)):
+            yield {k: p[i] for k, p in parts.items()}
+
+    def __getstate__(self) -> dict:
+        """As NumPy arrays, copied through the loader's pipe: for a fetch's few hundred KiB that is
+        faster than PyTorch's shared-memory hand-over, which passes a file descriptor per tensor."""
+        return {"fields": {k: v.numpy() for k, v in self.fields.items()}, "sizes": self.sizes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.fields = {k: torch.from_numpy(v) for k, v in state["fields"].items()}
+        self.sizes = state["sizes"]
+
+    def pin_memory(self) -> Stacked:
+        """Called by a DataLoader with ``pin_memory``: page-locked, for non-blocking copies to a GPU."""
+        return Stacked({k: v.pin_memory() for k, v in self.fields.items()}, self.sizes)
 
 
 class TableSource:
@@ -47,12 +73,27 @@ class TableSource:
     def groups_of(self, ids: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.offsets, ids, side="right") - 1
 
-    def fetch(self, ids: np.ndarray, sizes: Sequence[int], upcoming: Sequence[int]) -> list[dict]:
+    def groups_needed(self, ids: np.ndarray) -> list[int]:
+        """The row groups that hold ``ids``."""
+        return [0] if len(self.offsets) == 2 else np.unique(self.groups_of(ids)).tolist()
+
+    def fetch(self, ids: np.ndarray, sizes: Sequence[int], upcoming: Sequence[int],
+              out: dict[str, torch.Tensor] | None = None) -> Iterable[dict]:
         """Micro-batches of ``sizes`` samples, in order, for the sample ids ``ids``; then starts
-        reading the row groups ``upcoming`` (the next fetch's) in the background."""
+        reading the row groups ``upcoming`` (the next fetch's) in the background. ``out`` (see
+        ``slot_shapes``) receives the rows where a source stacks them."""
+        if len(self.offsets) == 2:  # one row group: every id is a row of it
+            held = self.cache.hold([0], upcoming)
+            return self.assemble(held, [0], np.zeros(len(ids), dtype=np.int64), ids, sizes, out)
         groups = self.groups_of(ids)
-        held = self.cache.hold(np.unique(groups).tolist(), upcoming)
-        return self.assemble(held, groups, ids - self.offsets[groups], sizes)
+        present = np.unique(groups).tolist()
+        held = self.cache.hold(present, upcoming)
+        return self.assemble(held, present, groups, ids - self.offsets[groups], sizes, out)
+
+    def slot_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
+        """Per field, the shape and type of one sample, for sources that stack micro-batches into
+        shared memory; None for those that do not."""
+        return None
 
     def release(self) -> None:
         self.cache.clear()
@@ -63,20 +104,28 @@ class TableSource:
     def decode(self, table: pa.Table) -> Any:
         raise NotImplementedError
 
-    def assemble(self, held: dict, groups: np.ndarray, local: np.ndarray, sizes: Sequence[int]) -> list[dict]:
+    def assemble(self, held: dict, present: list[int], groups: np.ndarray, local: np.ndarray,
+                 sizes: Sequence[int], out: dict[str, torch.Tensor] | None) -> Iterable[dict]:
+        """Micro-batches from the held row groups ``present``: sample i is row ``local[i]`` of
+        group ``groups[i]``."""
         raise NotImplementedError
 
 
-def _rows(held: dict, groups: np.ndarray, local: np.ndarray, column: int) -> torch.Tensor:
-    """Rows ``local`` of each sample's group, in sample order, stacked (one index per group)."""
-    present = np.unique(groups)
+def _rows(held: dict, present: list[int], groups: np.ndarray, local: np.ndarray, column: int,
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``local`` of each sample's group, in sample order, stacked (one index per group),
+    into the first rows of ``out`` when given."""
+    first = held[present[0]][column]
+    if out is not None:
+        out = out[:len(local)]
     if len(present) == 1:
-        return held[int(present[0])][column][torch.from_numpy(local)]
-    first = held[int(present[0])][column]
-    out = torch.empty((len(local), *first.shape[1:]), dtype=first.dtype)
+        index = torch.from_numpy(local)
+        return first[index] if out is None else torch.index_select(first, 0, index, out=out)
+    if out is None:
+        out = torch.empty((len(local), *first.shape[1:]), dtype=first.dtype)
     for g in present:
-        where = torch.from_numpy(np.flatnonzero(groups == g))
-        out[where] = held[int(g)][column][torch.from_numpy(local[groups == g])]
+        here = groups == g
+        out[torch.from_numpy(np.flatnonzero(here))] = held[g][column][torch.from_numpy(local[here])]
     return out
 
 
@@ -99,10 +148,14 @@ class FeatureSource(TableSource):
         y = torch.from_numpy(labels.astype(np.int64 if np.issubdtype(labels.dtype, np.integer) else np.float32))
         return x, y
 
-    def assemble(self, held, groups, local, sizes):
-        xs = torch.split(_rows(held, groups, local, 0), list(sizes))
-        ys = torch.split(_rows(held, groups, local, 1), list(sizes))
-        return [{"x": x, "y": y} for x, y in zip(xs, ys)]
+    def assemble(self, held, present, groups, local, sizes, out):
+        out = out or {}
+        return Stacked({"x": _rows(held, present, groups, local, 0, out.get("x")),
+                        "y": _rows(held, present, groups, local, 1, out.get("y"))}, sizes)
+
+    def slot_shapes(self):
+        x, y = self._load(0)
+        return {"x": (tuple(x.shape[1:]), x.dtype), "y": ((), y.dtype)}
 
 
 class TokenSource(TableSource):
@@ -118,17 +171,17 @@ class TokenSource(TableSource):
         # offsets index ``values`` as stored (also for a sliced array), so the pair stays consistent
         return col.values.to_numpy(zero_copy_only=False).astype(np.int64), col.offsets.to_numpy().astype(np.int64)
 
-    def assemble(self, held, groups, local, sizes):
+    def assemble(self, held, present, groups, local, sizes, out):
         lens = np.empty(len(local), dtype=np.int64)
-        for g in np.unique(groups):
+        for g in present:
             here = groups == g
-            offsets = held[int(g)][1]
+            offsets = held[g][1]
             lens[here] = np.minimum(offsets[local[here] + 1] - offsets[local[here]], self.max_len)
         dest = np.concatenate([[0], np.cumsum(lens)])
         flat = np.empty(int(dest[-1]), dtype=np.int64)
-        for g in np.unique(groups):  # every token of the chunk, in sample order, gathered per group
+        for g in present:  # every token of the chunk, in sample order, gathered per group
             here = groups == g
-            values, offsets = held[int(g)]
+            values, offsets = held[g]
             n = lens[here]
             within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
             flat[np.repeat(dest[:-1][here], n) + within] = values[np.repeat(offsets[local[here]], n) + within]
@@ -156,19 +209,22 @@ class PairsSource:
     def __len__(self) -> int:
         return len(self.inner)
 
-    def groups_of(self, ids: np.ndarray) -> np.ndarray:
-        return np.zeros(len(ids), dtype=np.int64)
+    def groups_needed(self, ids: np.ndarray) -> list[int]:
+        return []
 
-    def fetch(self, ids: np.ndarray, sizes: Sequence[int], upcoming: Sequence[int]) -> list[dict]:
-        out, first = [], 0
+    def fetch(self, ids: np.ndarray, sizes: Sequence[int], upcoming: Sequence[int], out=None) -> list[dict]:
+        batches, first = [], 0
         getitems = getattr(self.inner, "__getitems__", None)
         for size in sizes:
             mb = ids[first:first + size].tolist()
             items = getitems(mb) if getitems else [self.inner[i] for i in mb]
             x, y = default_collate(items)
-            out.append({"x": x, "y": y})
+            batches.append({"x": x, "y": y})
             first += size
-        return out
+        return batches
+
+    def slot_shapes(self) -> None:
+        return None
 
     def release(self) -> None:
         """Nothing to drop: the user's dataset lives in memory as it is."""
