@@ -124,9 +124,9 @@ def main() -> None:
         print(f"parquet loader batches/s with {w} workers: {r:.0f} (ratio {r / upper:.3f})")
     chosen = auto_feed.state()
     print(f"auto chose: {chosen['num_workers'] if chosen else 'still measuring'} workers")
+    print(f"streaming set: {args.stream_rows} rows of 1 KiB in {groups} row groups, batches of 256")
     for (where, w), r in stream.items():
-        print(f"streaming {args.stream_rows} rows x 1 KiB in {groups} row groups from {where}, "
-              f"{w} workers: {r:.0f} batches/s of 256")
+        print(f"streaming batches/s from {where} with {w} workers: {r:.0f}")
     print(f"lm padding fraction fixed micro-batches: {padding_fraction(fix, lengths):.3f}")
     print(f"lm padding fraction dynamic batching: {padding_fraction(dyn, lengths):.3f}")
     print(f"loader ratio: {min(rates.values()) / upper:.3f} (the lowest of 0, 1, 2 workers and auto)")

@@ -297,3 +297,41 @@ def test_ladder_stops_at_the_machines_cpus_but_tries_two():
     assert max(s.num_workers for s in ladder(1)) == 2
     assert max(s.num_workers for s in ladder(8)) == 8
     assert ladder(8)[0] == LoaderSetting(0, 2)
+
+
+class SlowItems(torch.utils.data.Dataset):
+    """Items that take ``item_s`` each: a loader that needs processes to keep up."""
+
+    def __init__(self, n: int, item_s: float):
+        self.n, self.item_s = n, item_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import time
+
+        time.sleep(self.item_s)
+        return torch.tensor([float(i)]), i
+
+
+def test_auto_feed_adds_workers_for_slow_data_and_keeps_its_choice(monkeypatch):
+    import time
+
+    import trainers.data.loader as loader
+
+    monkeypatch.setattr(loader, "ladder", lambda: tuple(S[:3]))
+    source = PairsSource(SlowItems(4000, 0.001))
+    plan = BatchPlan(len(source), 8, seed=0, group_sizes=source.group_sizes)
+    steps = StepMicroBatches(plan, 0, 1, 8)
+    lines = []
+    feed = Feed(source, steps, 0, 60, "auto", 2, torch.device("cpu"), announce=lines.append)
+    for step in range(60):
+        assert feed.next()["y"].tolist() == steps.at(step)[0].tolist()
+        time.sleep(0.006)  # compute: 8 items load in 8 ms in one process, in 4 ms with two
+    assert feed.state() is not None and feed.state()["num_workers"] > 0, feed.tried
+    assert lines and "data.num_workers auto" in lines[0]
+    again = Feed(source, steps, 60, 62, "auto", 2, torch.device("cpu"), tuned=feed.state())
+    assert again.state() == feed.state() and not again.tuning
+    fixed = Feed(source, steps, 60, 62, 0, 2, torch.device("cpu"), tuned=feed.state())
+    assert fixed.setting == LoaderSetting(0, 2) and fixed.state() is None, "a count in the spec wins"
