@@ -94,6 +94,7 @@ def test_two_workers_train_a_data_set_far_larger_than_their_memory(ray_local, tm
         "distributed": {"num_workers": 2}, "checkpoint": {"interval": 150, "storage_root": str(tmp_path / "root")},
         "model": {"factory": "slowpkg:busy_model", "options": {"features": ROW_FEATURES, "classes": 10}},
         "data": {"source": str(data), "num_workers": 0},
+        "fault_tolerance": {"max_infrastructure_failures": 0},  # a worker stopped for its memory ends the run
     })
     with WorkerMemory() as memory:
         code, summary = run_job(spec)
