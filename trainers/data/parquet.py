@@ -72,6 +72,8 @@ class ParquetFiles:
                 self.groups.append((f, g))
                 sizes.append(meta.row_group(g).num_rows)
         self.group_sizes = np.array(sizes, dtype=np.int64)
+        first = self._file(self.paths[0], fs).metadata.row_group(0)
+        self.row_bytes = first.total_byte_size / max(1, first.num_rows)  # decoded, from the footer
         self._opened: dict = {}
 
     def __getstate__(self) -> dict:

@@ -21,6 +21,7 @@ from trainers.data.parquet import ParquetFiles, RowGroupCache
 from trainers.data.plan import group_offsets
 
 CHUNK_SAMPLES = 4096  # samples per loader fetch of Parquet data: amortises a worker's hand-over
+CHUNK_BYTES = 4 * 2**20  # but no more than this much of them (wide rows)
 
 
 class Stacked:
@@ -52,7 +53,6 @@ class Stacked:
 class TableSource:
     """A Parquet data set read by row group through a cache that follows the plan."""
 
-    chunk_samples = CHUNK_SAMPLES
     lengths: np.ndarray | None = None
 
     def __init__(self, files: ParquetFiles, columns: dict[str, str]):
@@ -63,6 +63,7 @@ class TableSource:
                     f"data.columns.{field}: {name!r} is not a column of {files.uri} (it has "
                     f"{', '.join(sorted(present))}): name the right one in data.columns.{field}")
         self.files, self.columns = files, list(columns.values())
+        self.chunk_samples = max(1, min(CHUNK_SAMPLES, int(CHUNK_BYTES // max(1.0, files.row_bytes))))
         self.group_sizes = files.group_sizes
         self.offsets = group_offsets(files.group_sizes)
         self.cache = RowGroupCache(self._load)
