@@ -335,3 +335,44 @@ def test_auto_feed_adds_workers_for_slow_data_and_keeps_its_choice(monkeypatch):
     assert again.state() == feed.state() and not again.tuning
     fixed = Feed(source, steps, 60, 62, 0, 2, torch.device("cpu"), tuned=feed.state())
     assert fixed.setting == LoaderSetting(0, 2) and fixed.state() is None, "a count in the spec wins"
+
+
+def wide_file(path, groups: int, group_rows: int = 1024, width: int = 1024) -> None:
+    """Random float32 features (they do not compress) in row groups of group_rows x width x 4 bytes."""
+    schema = pa.schema([("features", pa.list_(pa.float32(), width)), ("label", pa.int64())])
+    rng = np.random.default_rng(0)
+    with pq.ParquetWriter(path, schema, compression="none") as writer:
+        for _ in range(groups):
+            values = pa.array(rng.random(group_rows * width, dtype=np.float32))
+            writer.write_table(pa.table({"features": pa.FixedSizeListArray.from_arrays(values, width),
+                                         "label": rng.integers(0, 10, group_rows)}, schema=schema))
+
+
+def test_a_held_row_group_is_arrows_memory_not_a_copy_of_it(tmp_path):
+    wide_file(tmp_path / "w.parquet", groups=1, group_rows=64, width=32)
+    source = FeatureSource(ParquetFiles(str(tmp_path / "w.parquet")))
+    table = source.files.read(0, source.columns)
+    x, _ = source.decode(table)
+    values = table.column(0).chunk(0).flatten().buffers()[1]
+    assert values.address <= x.data_ptr() < values.address + values.size
+    assert x.shape == (64, 32)
+
+
+def resident_anon_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return int(status.read().split("RssAnon:")[1].split()[0]) * 1024
+
+
+def test_memory_follows_the_row_groups_held_not_the_row_groups_read(tmp_path):
+    """Reading 24 row groups of 4 MiB while holding 2: what the process keeps is a few groups'
+    worth, not a growing pile of freed read buffers and dropped groups."""
+    group_bytes = 1024 * 1024 * 4
+    wide_file(tmp_path / "w.parquet", groups=24)
+    source = FeatureSource(ParquetFiles(str(tmp_path / "w.parquet")))
+    source.cache.hold([0, 1], [])
+    before = resident_anon_bytes()
+    for g in range(2, 24):
+        source.cache.hold([g], [g + 1] if g < 23 else [])
+    grown = resident_anon_bytes() - before
+    assert source.cache.peak_groups == 2
+    assert grown < 4 * group_bytes, f"grew {grown >> 20} MiB while holding 2 groups of {group_bytes >> 20} MiB"

@@ -94,8 +94,13 @@ class ParquetFiles:
         return self.schema.names
 
     def read(self, group: int, columns: list[str]) -> pa.Table:
+        """One row group's columns. Arrow's allocator keeps freed pages for reuse, so a worker that
+        reads row group after row group would grow by the reader's buffers and every dropped
+        group; they go back to the system after each read, so memory follows what is held."""
         f, g = self.groups[group]
-        return self._file(self.paths[f]).read_row_group(g, columns=columns)
+        table = self._file(self.paths[f]).read_row_group(g, columns=columns)
+        pa.default_memory_pool().release_unused()
+        return table
 
     def list_lengths(self, column: str) -> np.ndarray:
         """Every row's list length in ``column``, streamed one row group at a time."""

@@ -8,6 +8,7 @@ one, else item by item, and collated with PyTorch's ``default_collate``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -48,6 +49,21 @@ class Stacked:
     def pin_memory(self) -> Stacked:
         """Called by a DataLoader with ``pin_memory``: page-locked, for non-blocking copies to a GPU."""
         return Stacked({k: v.pin_memory() for k, v in self.fields.items()}, self.sizes)
+
+
+def single_array(column: pa.ChunkedArray) -> pa.Array:
+    """A column as one array; a row group's column is usually one chunk already, taken as it is
+    (``combine_chunks`` would copy it: a second row group's worth of memory per read)."""
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def arrow_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over Arrow's memory, not a copy of it. The array is read-only and so is the tensor
+    in practice: held row groups are only ever indexed into new tensors, never written; PyTorch
+    warns about any non-writable array, so that one warning is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 class TableSource:
@@ -137,14 +153,14 @@ class FeatureSource(TableSource):
         super().__init__(files, {"features": features, "label": label})
 
     def decode(self, table: pa.Table) -> tuple[torch.Tensor, torch.Tensor]:
-        col = table.column(0).combine_chunks()
+        col = single_array(table.column(0))
         n = len(col)
         if not pa.types.is_fixed_size_list(col.type):
             widths = pc.list_value_length(col)
             if n and pc.min(widths).as_py() != pc.max(widths).as_py():
                 raise ValueError(f"data.columns.features: {self.columns[0]!r} in {self.files.uri} has rows of "
                                  "different lengths: every row needs the same number of features")
-        x = torch.from_numpy(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32)).reshape(n, -1)
+        x = arrow_tensor(col.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)).reshape(n, -1)
         labels = table.column(1).to_numpy()
         y = torch.from_numpy(labels.astype(np.int64 if np.issubdtype(labels.dtype, np.integer) else np.float32))
         return x, y
@@ -168,9 +184,10 @@ class TokenSource(TableSource):
         self.lengths = np.minimum(files.list_lengths(tokens), max_len)
 
     def decode(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-        col = table.column(0).combine_chunks()
+        col = single_array(table.column(0))
         # offsets index ``values`` as stored (also for a sliced array), so the pair stays consistent
-        return col.values.to_numpy(zero_copy_only=False).astype(np.int64), col.offsets.to_numpy().astype(np.int64)
+        return (col.values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
+                col.offsets.to_numpy().astype(np.int64))
 
     def assemble(self, held, present, groups, local, sizes, out):
         lens = np.empty(len(local), dtype=np.int64)
