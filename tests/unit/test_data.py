@@ -268,7 +268,7 @@ def test_pairs_source_collates_a_users_items():
         def __getitem__(self, i):
             return torch.tensor([float(i)]), i * i
 
-    out = PairsSource(Squares()).fetch(np.array([3, 1, 4]), [2, 1], [])
+    out = list(PairsSource(Squares()).fetch(np.array([3, 1, 4]), [2, 1], []))
     assert out[0]["x"].tolist() == [[3.0], [1.0]] and out[0]["y"].tolist() == [9, 1] and out[1]["y"].tolist() == [16]
 
 
@@ -321,19 +321,19 @@ def test_auto_feed_adds_workers_for_slow_data_and_keeps_its_choice(monkeypatch):
     import trainers.data.loader as loader
 
     monkeypatch.setattr(loader, "ladder", lambda: tuple(S[:3]))
-    source = PairsSource(SlowItems(4000, 0.001))
-    plan = BatchPlan(len(source), 8, seed=0, group_sizes=source.group_sizes)
-    steps = StepMicroBatches(plan, 0, 1, 8)
+    source = PairsSource(SlowItems(4000, 0.0005))
+    plan = BatchPlan(len(source), 16, seed=0, group_sizes=source.group_sizes)
+    steps = StepMicroBatches(plan, 0, 1, 16)
     lines = []
-    feed = Feed(source, steps, 0, 60, "auto", 2, torch.device("cpu"), announce=lines.append)
-    for step in range(60):
+    feed = Feed(source, steps, 0, 120, "auto", 2, torch.device("cpu"), announce=lines.append)
+    for step in range(120):
         assert feed.next()["y"].tolist() == steps.at(step)[0].tolist()
-        time.sleep(0.006)  # compute: 8 items load in 8 ms in one process, in 4 ms with two
+        time.sleep(0.006)  # compute: 16 items load in 8 ms in one process, in 4 ms with two
     assert feed.state() is not None and feed.state()["num_workers"] > 0, feed.tried
     assert lines and "data.num_workers auto" in lines[0]
-    again = Feed(source, steps, 60, 62, "auto", 2, torch.device("cpu"), tuned=feed.state())
+    again = Feed(source, steps, 120, 122, "auto", 2, torch.device("cpu"), tuned=feed.state())
     assert again.state() == feed.state() and not again.tuning
-    fixed = Feed(source, steps, 60, 62, 0, 2, torch.device("cpu"), tuned=feed.state())
+    fixed = Feed(source, steps, 120, 122, 0, 2, torch.device("cpu"), tuned=feed.state())
     assert fixed.setting == LoaderSetting(0, 2) and fixed.state() is None, "a count in the spec wins"
 
 
