@@ -255,6 +255,9 @@ class DataConfig(Strict):
     shuffle_window_row_groups: int = Field(
         4, gt=0, description="samples are shuffled within windows of this many row groups (row groups themselves "
         "in a new order each epoch): larger mixes better and holds more data in memory")
+    record_sample_ids: bool = Field(
+        False, description="keep each rank's sample ids per step in the checkpoints: proof that no sample is "
+        "skipped or repeated across interruptions and resizes (trainers.data.accounting); for tests and audits")
     dynamic_batching: bool = False
     max_tokens_per_batch: int = Field(4096, gt=0, description="token budget per micro-batch with dynamic_batching")
     shuffle: bool = True

@@ -35,7 +35,7 @@ from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, batching_summary
 from trainers.console import progress_line
-from trainers.data import BatchPlan, Feed, StepMicroBatches
+from trainers.data import BatchPlan, Feed, StepMicroBatches, accounting
 from cluster.metrics import node_kind
 from trainers.observe import Observer, group_kinds
 from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, StopFlag, interruption_record
@@ -137,7 +137,8 @@ def train_loop_per_worker(config: dict) -> None:
     per_worker, micro, accum = batching_summary(t.batch_size, world, t.micro_batch_size, t.grad_accum_steps)
     steps = StepMicroBatches(plan, rank, world, micro, spec.data.max_tokens_per_batch if spec.data.dynamic_batching else None)
     feed = Feed(dataset, steps, start, stop, spec.data.num_workers, spec.data.prefetch_factor, device,
-                tuned=loader_choice, announce=(lambda line: print(line, flush=True)) if rank == 0 else None)
+                tuned=loader_choice, announce=(lambda line: print(line, flush=True)) if rank == 0 else None,
+                record_ids=spec.data.record_sample_ids)
     if rank == 0:
         print(f"[etrain] {spec.name}: world size {world}, global batch {t.batch_size} = {per_worker}/worker "
               f"(micro-batch {micro} x {accum} accumulation{', dynamic by tokens' if spec.data.dynamic_batching else ''}); "
@@ -257,6 +258,7 @@ def train_loop_per_worker(config: dict) -> None:
             # Only checkpoints go through ray.train.report: it is a barrier on every rank and Ray's
             # controller drains one report per poll (about 2 s), so reporting more often stalls training.
             checkpoint = None
+            sample_ids = accounting.gather(feed, world, done) if spec.data.record_sample_ids else None
             if rank == 0:
                 # Outlives report() for an async upload; Ray deletes it once uploaded (asked below).
                 directory = tempfile.mkdtemp(prefix=f"ckpt-{done}-", dir=staging)
@@ -267,6 +269,7 @@ def train_loop_per_worker(config: dict) -> None:
                     "world_size": world, "global_batch_size": t.batch_size,
                     "rng": {"scheme": "torch.manual_seed(step_seed(seed, step, rank)) each step", "seed": t.seed},
                     "metrics": metrics, "observer": observer.checkpoint_state(), "loader": feed.state(),
+                    "sample_ids": sample_ids,
                 }
                 saving = time.perf_counter()
                 ckpt.write_local(directory, state, spec.checkpoint.file_name(done), metrics)

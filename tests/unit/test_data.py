@@ -376,3 +376,67 @@ def test_memory_follows_the_row_groups_held_not_the_row_groups_read(tmp_path):
     grown = resident_anon_bytes() - before
     assert source.cache.peak_groups == 2
     assert grown < 4 * group_bytes, f"grew {grown >> 20} MiB while holding 2 groups of {group_bytes >> 20} MiB"
+
+
+# ---------------------------------------------------------------- sample-id accounting
+
+from trainers.data import accounting  # noqa: E402
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_recording_feed_keeps_the_ids_it_handed_out_per_step(tmp_path, workers):
+    feature_file(tmp_path / "d.parquet", 600, 50)
+    source = FeatureSource(ParquetFiles(str(tmp_path / "d.parquet")), "feat", "cls")
+    plan = BatchPlan(len(source), 64, seed=2, group_sizes=source.group_sizes, window=2)
+    steps = StepMicroBatches(plan, 1, 2, 8)
+    feed = Feed(source, steps, 5, 15, workers, 2, torch.device("cpu"), record_ids=True)
+    for step in range(5, 9):
+        for _ in steps.at(step):
+            feed.next()
+    want = [rank_share(plan.global_batch_at(s), 1, 2).tolist() for s in range(5, 9)]
+    assert feed.take_record() == (5, want)
+    for _ in steps.at(9):
+        feed.next()
+    assert feed.take_record() == (9, [rank_share(plan.global_batch_at(9), 1, 2).tolist()])
+    quiet = Feed(source, steps, 5, 15, 0, 2, torch.device("cpu"))
+    quiet.next()
+    assert quiet.take_record() == (5, []), "off by default: nothing kept"
+
+
+def planned(plan: BatchPlan, start: int, stop: int, world: int) -> dict:
+    return accounting.record(start, stop, world, [[rank_share(plan.global_batch_at(s), r, world).tolist()
+                                                   for s in range(start, stop)] for r in range(world)])
+
+
+def test_the_chain_of_checkpoint_records_proves_each_epoch_exactly_once():
+    plan = BatchPlan(100, 10, seed=1)  # 10 steps an epoch
+    records = [planned(plan, 0, 4, 2), planned(plan, 4, 8, 2),
+               planned(plan, 8, 12, 2),  # saved, but lost with its node before the run went on from it
+               planned(plan, 8, 11, 1), planned(plan, 11, 16, 1), planned(plan, 16, 25, 2)]
+    by_step = accounting.trained_by_step(records)
+    assert sorted(by_step) == list(range(25))
+    assert accounting.epoch_problems(by_step, plan.steps_per_epoch, plan.num_samples) == []
+
+
+def test_accounting_names_skipped_and_repeated_samples_and_a_broken_chain():
+    plan = BatchPlan(100, 10, seed=1)
+    good = [planned(plan, 0, 5, 2), planned(plan, 5, 10, 1)]
+    bad = [dict(r) for r in good]
+    bad[1] = accounting.record(5, 10, 1, [[*planned(plan, 5, 10, 1)["ranks"][0][:4], plan.global_batch_at(0).tolist()]])
+    problems = accounting.epoch_problems(accounting.trained_by_step(bad), 10, 100)
+    assert len(problems) == 1 and problems[0].startswith("epoch 0: 10 samples skipped") and "10 repeated" in problems[0]
+    with pytest.raises(ValueError, match="no record ends at step 5: the chain of checkpoints is broken"):
+        accounting.trained_by_step(good[1:])
+    with pytest.raises(ValueError, match="rank 0 recorded 4 steps, not the 5 from 5 to 10"):
+        accounting.record(5, 10, 1, [good[1]["ranks"][0][:4]])
+
+
+def test_gather_on_one_worker_is_its_own_record(tmp_path):
+    feature_file(tmp_path / "d.parquet", 300, 50)
+    source = FeatureSource(ParquetFiles(str(tmp_path / "d.parquet")), "feat", "cls")
+    plan = BatchPlan(len(source), 32, seed=0, group_sizes=source.group_sizes)
+    steps = StepMicroBatches(plan, 0, 1, 32)
+    feed = Feed(source, steps, 0, 9, 0, 2, torch.device("cpu"), record_ids=True)
+    for _ in range(3):
+        feed.next()
+    assert accounting.gather(feed, 1, 3) == planned(plan, 0, 3, 1)

@@ -57,25 +57,27 @@ class StepDataset(Dataset):
     """
 
     def __init__(self, source, steps: StepMicroBatches, start: int, stop: int, chunk_steps: int,
-                 slots: dict[str, torch.Tensor] | None = None):
+                 slots: dict[str, torch.Tensor] | None = None, with_ids: bool = False):
         self.source, self.steps, self.start, self.stop, self.chunk_steps = source, steps, start, stop, chunk_steps
-        self.slots = slots
+        self.slots, self.with_ids = slots, with_ids
 
-    def resolve(self, item: tuple) -> Iterator[tuple[dict, bool]]:
-        """A fetched chunk's micro-batches, each with whether it ends its step."""
-        payload, per_step = item
+    def resolve(self, item: tuple) -> Iterator[tuple[dict, bool, np.ndarray | None]]:
+        """A fetched chunk's micro-batches, each with whether it ends its step and (``with_ids``)
+        the ids of the samples the fetch read for it."""
+        payload, per_step, ids = item
         if isinstance(payload, SlotRef):
             n = sum(payload.sizes)
             payload = Stacked({k: v[payload.slot][:n] for k, v in self.slots.items()}, payload.sizes)
         ends = {int(i) - 1 for i in np.cumsum(per_step)}
         for i, mb in enumerate(payload):
-            yield mb, i in ends
+            yield mb, i in ends, None if ids is None else ids[i]
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitems__(self, chunk: list[int]) -> tuple:
-        """(the chunk's micro-batches or where they are, how many micro-batches each step has)."""
+        """(the chunk's micro-batches or where they are, how many micro-batches each step has,
+        the ids fetched when ``with_ids``)."""
         per_step = [len(self.steps.at(step)) for step in chunk]
         mbs = [mb for step in chunk for mb in self.steps.at(step)]
         info = get_worker_info()
@@ -84,11 +86,13 @@ class StepDataset(Dataset):
                     for mb in self.steps.at(step)]
         groups = self.source.groups_needed(np.concatenate(upcoming)) if upcoming else []
         sizes = [len(mb) for mb in mbs]
+        ids = np.concatenate(mbs)
+        fetched = mbs if self.with_ids else None
         if self.slots is None:
-            return self.source.fetch(np.concatenate(mbs), sizes, groups), per_step
+            return self.source.fetch(ids, sizes, groups), per_step, fetched
         slot = (chunk[0] - self.start) // self.chunk_steps % len(next(iter(self.slots.values())))
-        self.source.fetch(np.concatenate(mbs), sizes, groups, out={k: v[slot] for k, v in self.slots.items()})
-        return SlotRef(slot, sizes), per_step
+        self.source.fetch(ids, sizes, groups, out={k: v[slot] for k, v in self.slots.items()})
+        return SlotRef(slot, sizes), per_step, fetched
 
 
 def _as_is(batch: tuple) -> tuple:
@@ -113,12 +117,15 @@ class Feed:
 
     ``tuned`` is the setting an earlier attempt chose with ``auto`` (from its checkpoint);
     ``state()`` gives it back once chosen; ``announce`` (rank 0's print) logs the choice.
+    With ``record_ids`` the feed keeps the ids of the samples it handed out, per step, until
+    ``take_record`` (``data.record_sample_ids``, see ``accounting``).
     """
 
     def __init__(self, source, steps: StepMicroBatches, start: int, stop: int, num_workers: int | str,
                  prefetch_factor: int, device: torch.device, tuned: dict | None = None,
-                 announce: Callable[[str], None] | None = None):
+                 announce: Callable[[str], None] | None = None, record_ids: bool = False):
         self.source, self.steps, self.stop, self.device = source, steps, stop, device
+        self.record_ids, self.recorded_from, self.recorded = record_ids, start, [[]]
         self.chunk_steps = chunk_steps_for(source, steps)
         self.announce = announce or (lambda line: None)
         self.auto = num_workers == "auto"
@@ -133,6 +140,12 @@ class Feed:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ahead = None
         self._open(start)
+
+    def take_record(self) -> tuple[int, list[list[int]]]:
+        """(the first step recorded, each finished step's sample ids since then); starts anew."""
+        first, steps = self.recorded_from, self.recorded[:-1]
+        self.recorded_from, self.recorded = self.step, self.recorded[-1:]
+        return first, steps
 
     def state(self) -> dict | None:
         """The loader setting to reuse on resume: the chosen one with ``auto`` (None while tuning)."""
@@ -154,7 +167,7 @@ class Feed:
             count, rows = w * self.setting.prefetch_factor + 2, self.chunk_steps * self.steps.max_share_size()
             slots = {k: torch.empty((count, rows, *shape), dtype=dtype).share_memory_()
                      for k, (shape, dtype) in shapes.items()}
-        dataset = StepDataset(self.source, self.steps, step, self.stop, self.chunk_steps, slots)
+        dataset = StepDataset(self.source, self.steps, step, self.stop, self.chunk_steps, slots, self.record_ids)
         loader = DataLoader(dataset, batch_sampler=StepChunks(step, self.stop, self.chunk_steps), num_workers=w,
                             collate_fn=_as_is, pin_memory=pin, **extra)
         self._items = (pair for chunk in loader for pair in dataset.resolve(chunk))
@@ -162,24 +175,28 @@ class Feed:
         self.probe: tuple[int, float, float] | None = None  # (first step, start time, wait so far)
         self.warm_steps = self.chunk_steps * max(1, w)  # the first round of fetches pays for start-up
 
-    def _pull(self) -> tuple[dict, bool]:
+    def _pull(self) -> tuple[dict, bool, np.ndarray | None]:
         """The next micro-batch from the loader; on a GPU, its copy to the device is under way."""
-        batch, ends_step = next(self._items)
+        batch, ends_step, ids = next(self._items)
         if self.stream is None:
-            return batch, ends_step
+            return batch, ends_step, ids
         with torch.cuda.stream(self.stream):
             moved = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-        return moved, ends_step
+        return moved, ends_step, ids
 
     def next(self) -> dict:
         """The next micro-batch, on the device (the loop knows how many each step has)."""
         started = time.perf_counter()
         if self.index == 0 and self.tuning:
             self._tune(started)
-        batch, ends_step = self._ahead if self._ahead is not None else self._pull()
+        batch, ends_step, ids = self._ahead if self._ahead is not None else self._pull()
         self.index += 1
+        if self.record_ids:
+            self.recorded[-1].extend(ids.tolist())
         if ends_step:
             self.step, self.index = self.step + 1, 0
+            if self.record_ids:
+                self.recorded.append([])
         self._ahead = self._pull() if self.stream is not None and self.step < self.stop else None
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
