@@ -99,6 +99,7 @@ def test_two_workers_train_a_data_set_far_larger_than_their_memory(ray_local, tm
     with WorkerMemory() as memory:
         code, summary = run_job(spec)
     peaks_mb = sorted(round(p / 2**20) for p in memory.peak.values())
+    print(f"peak RSS per training worker (MB): {peaks_mb}; data {size >> 20} MB")
     assert not memory.killed, f"workers grew past {RSS_KILL >> 20} MB and were stopped; peaks (MB): {peaks_mb}"
     assert code == EXIT_OK and summary["final_step"] == 300, summary
     assert len(memory.peak) >= 2, "both training workers were watched"
