@@ -85,15 +85,32 @@ class WorkerMemory:
                     os.kill(pid, signal.SIGKILL)
 
 
-def test_two_workers_train_a_data_set_far_larger_than_their_memory(ray_local, tmp_path):
-    data = tmp_path / "big.parquet"
-    size = write_big_set(data)
+@pytest.fixture(scope="module")
+def big_set(tmp_path_factory) -> tuple[Path, int]:
+    data = tmp_path_factory.mktemp("big") / "big.parquet"
+    return data, write_big_set(data)
+
+
+@pytest.mark.parametrize("where", ["local disk", "moto S3"])
+def test_two_workers_train_a_data_set_far_larger_than_their_memory(ray_local, s3_server, big_set, where, tmp_path):
+    local, size = big_set
     assert size >= 2 * 2**30
+    data = str(local)
+    if where == "moto S3":
+        import boto3
+        import pyarrow.fs as pafs
+
+        from cluster.storage import s3_filesystem
+
+        boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket="bigdata")
+        pafs.copy_files(str(local), "bigdata/big.parquet", source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=s3_filesystem())
+        data = "s3://bigdata/big.parquet"
     spec = validate({
         "name": "big", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 300},
         "distributed": {"num_workers": 2}, "checkpoint": {"interval": 150, "storage_root": str(tmp_path / "root")},
         "model": {"factory": "slowpkg:busy_model", "options": {"features": ROW_FEATURES, "classes": 10}},
-        "data": {"source": str(data), "num_workers": 0},
+        "data": {"source": data, "num_workers": 0},
         "fault_tolerance": {"max_infrastructure_failures": 0},  # a worker stopped for its memory ends the run
     })
     with WorkerMemory() as memory:
