@@ -238,12 +238,28 @@ class CheckpointConfig(Strict):
         return posixpath.basename(self.path).format(step=step)
 
 
+class DataColumns(Strict):
+    """Which Parquet columns hold what, for a user's ``data.source``."""
+
+    features: str = Field("features", description="list of floats, the same length in every row")
+    label: str = Field("label", description="int (classes) or float (regression)")
+    tokens: str = Field("tokens", description="list of ints, for tiny_gpt")
+
+
 class DataConfig(Strict):
     source: str | None = Field(None, description="builtin:digits, builtin:text, or a Parquet path / s3:// URI")
     factory: str | None = Field(None, description="'pkg.module:fn' returning a map-style Dataset")
     options: dict[str, Any] = {}
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per training worker")
+    columns: DataColumns = DataColumns()
+    num_workers: int | Literal["auto"] = Field(
+        0, description="DataLoader worker processes per training worker, or 'auto': measured in the first steps")
     prefetch_factor: int = Field(2, gt=0)
+    shuffle_window_row_groups: int = Field(
+        4, gt=0, description="samples are shuffled within windows of this many row groups (row groups themselves "
+        "in a new order each epoch): larger mixes better and holds more data in memory")
+    record_sample_ids: bool = Field(
+        False, description="keep each rank's sample ids per step in the checkpoints: proof that no sample is "
+        "skipped or repeated across interruptions and resizes (trainers.data.accounting); for tests and audits")
     dynamic_batching: bool = False
     max_tokens_per_batch: int = Field(4096, gt=0, description="token budget per micro-batch with dynamic_batching")
     shuffle: bool = True
@@ -268,6 +284,13 @@ class DataConfig(Strict):
     @classmethod
     def _importable(cls, v: str | None) -> str | None:
         return v if v is None else check_import_ref(v)
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _count_or_auto(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return v
+        raise ValueError("must be 0 or more loader processes, or 'auto' to measure and choose")
 
 
 class ModelConfig(Strict):

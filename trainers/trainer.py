@@ -36,7 +36,7 @@ from trainers import checkpoint as ckpt
 from trainers.checkpointer import Checkpointer, Kind
 from trainers.config import JobSpec, batching_summary
 from trainers.console import progress_line
-from trainers.data import BatchPlan, PlanSampler, StepMicroBatches, make_loader
+from trainers.data import BatchPlan, Feed, StepMicroBatches, accounting
 from trainers.observe import Observer, group_kinds
 from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, StopFlag, interruption_record
 from trainers.workloads import resolve
@@ -78,7 +78,8 @@ def plan_for(spec: JobSpec, dataset) -> BatchPlan:
     """The job's order of global batches: what a resume must find again, whatever the workers."""
     lengths = getattr(dataset, "lengths", None)
     return BatchPlan(len(dataset), spec.training.batch_size, spec.training.seed, spec.data.shuffle,
-                     lengths=lengths if spec.data.dynamic_batching else None)
+                     lengths=lengths if spec.data.dynamic_batching else None,
+                     group_sizes=getattr(dataset, "group_sizes", None), window=spec.data.shuffle_window_row_groups)
 
 
 def sync_due(done: int, log_every: int, preempt_every: int, interval_steps: int) -> bool:
@@ -249,15 +250,19 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.start, self.restored = state["step"], {"observer": state.get("observer"), "batching": state.get("batching")}
+        self.start, self.restored = state["step"], {"observer": state.get("observer"), "batching": state.get("batching"),
+                                                    "loader": state.get("loader")}
         self.say(f"[etrain] resumed from step {self.start} (saved at world size {state['world_size']}, "
                  f"now {self.world}; cursor {state['cursor']})", flush=True)
 
     def open_loader(self, step: int) -> None:
         b, data = self.batching, self.spec.data
         self.steps = StepMicroBatches(self.plan, self.rank, self.world, b.micro, b.max_tokens)
-        loader = make_loader(self.dataset, PlanSampler(self.steps, step, self.stop), data.num_workers, data.prefetch_factor)
-        self.batches = iter(loader)
+        # A new split (out of memory) keeps the loader setting the feed had tuned; a resume, the one saved.
+        tuned = self.feed.state() if getattr(self, "feed", None) is not None else self.restored.get("loader")
+        self.feed = Feed(self.dataset, self.steps, step, self.stop, data.num_workers, data.prefetch_factor, self.device,
+                         tuned=tuned, announce=(lambda line: self.say(line, flush=True)),
+                         record_ids=data.record_sample_ids)
 
     def start_services(self) -> None:
         """Heartbeat and stop poll, node kinds for cost, the observer, the checkpointer."""
@@ -350,7 +355,7 @@ class Trainer:
         out_of_memory, last = False, len(shares) - 1
         for i in range(len(shares)):
             waited = time.perf_counter()
-            batch = _to_device(next(self.batches), self.device)
+            batch = self.feed.next()
             self.observer.loader_wait(time.perf_counter() - waited)
             sync = contextlib.nullcontext() if (i == last or self.world == 1) else self.model.no_sync()
             try:
@@ -389,7 +394,6 @@ class Trainer:
     def heal(self, step: int) -> None:
         """Every rank: free, halve the micro-batch (double accumulation), redo the step from its first sample."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.batches = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -457,12 +461,14 @@ class Trainer:
                 f"step {done}: DDP replicas hold different parameters (the guide's 'parameters out of sync'): "
                 "check that every worker runs the same model code and that nothing changes parameters "
                 "outside the optimizer step; WORLD_SIZE and RANK are set by Ray, do not set them yourself")
-        self.checkpointer.save(done, kind, self.state_at(done, metrics) if self.rank == 0 else None, metrics,
+        # A collective on every rank; its record goes into this checkpoint (a skipped one would break the chain).
+        sample_ids = accounting.gather(self.feed, self.world, done) if self.spec.data.record_sample_ids else None
+        self.checkpointer.save(done, kind, self.state_at(done, metrics, sample_ids) if self.rank == 0 else None, metrics,
                                then=self.observer.flusher())
         timing = self.checkpointer.timing  # what the training thread paid: the copy, and any wait
         self.observer.checkpoint_times(timing.snapshot_s, timing.blocked_s)
 
-    def state_at(self, done: int, metrics: dict):
+    def state_at(self, done: int, metrics: dict, sample_ids: dict | None = None):
         """Rank 0's full training state at step ``done``, built when the checkpointer copies it."""
         t, b = self.spec.training, self.batching
         return lambda: {
@@ -473,6 +479,7 @@ class Trainer:
             "batching": {"micro_batch_size": b.micro, "max_tokens": b.max_tokens, "reductions": list(b.reductions)},
             "rng": {"scheme": "torch.manual_seed(step_seed(seed, step, rank)) each step", "seed": t.seed},
             "metrics": dict(metrics), "observer": self.observer.checkpoint_state(),
+            "loader": self.feed.state(), "sample_ids": sample_ids,
         }
 
     def after_first_step(self, done: int) -> None:
@@ -583,9 +590,3 @@ def params_in_sync(model: torch.nn.Module, world: int) -> bool:
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     model = getattr(model, "_orig_mod", model)  # torch.compile
     return getattr(model, "module", model)  # DDP
-
-
-def _to_device(batch, device: torch.device):
-    if isinstance(batch, dict) and device.type != "cpu":
-        return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-    return batch

@@ -65,6 +65,10 @@ BAD_SPECS = [
     ({"checkpoint": {"interval": 0}}, "checkpoint.interval", "greater than 0"),
     ({"data": {"source": "builtin:imagenet"}}, "data.source", "unknown built-in data set"),
     ({"data": {"source": "/data/train.csv"}}, "data.source", ".parquet"),
+    ({"data": {"num_workers": "many"}}, "data.num_workers", "or 'auto' to measure and choose"),
+    ({"data": {"num_workers": -1}}, "data.num_workers", "0 or more loader processes"),
+    ({"data": {"shuffle_window_row_groups": 0}}, "data.shuffle_window_row_groups", "greater than 0"),
+    ({"data": {"columns": {"feature": "x"}}}, "data.columns.feature", "valid keys here are features, label, tokens"),
     ({"model": {"factory": "no_such_pkg.models:build"}}, "model.factory", "cannot import module 'no_such_pkg.models'"),
     ({"model": {"factory": "json:no_such_fn"}}, "model.factory", "no callable 'no_such_fn'"),
     ({"model": {"factory": "not a ref"}}, "model.factory", "package.module:function"),
@@ -234,3 +238,8 @@ def test_yaml_dates_and_times_stay_the_text_written():
                       "2003-01-01: k}}\n", "body")
     assert data["model"]["options"] == {"at": "2001-12-14t21:59:43.10-05:00", "day": "2002-12-14", "2003-01-01": "k"}
     json.dumps(data)  # the service stores a spec as JSON
+
+
+def test_loader_workers_take_a_count_or_auto():
+    assert validate({"data": {"num_workers": "auto"}}).data.num_workers == "auto"
+    assert validate({"data": {"num_workers": 3}}).data.num_workers == 3

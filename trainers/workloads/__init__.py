@@ -12,17 +12,20 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from cluster.storage import StorageRoot
 from trainers.config import JobSpec
+from trainers.data.sources import FeatureSource, PairsSource, TokenSource
+
+Source = FeatureSource | TokenSource | PairsSource
 
 
 class Workload(Protocol):
     def prepare(self, spec: JobSpec, root: StorageRoot) -> str:
         """Make the data exist (driver side, once); return its URI for the workers."""
 
-    def dataset(self, spec: JobSpec, data_uri: str) -> Dataset: ...
+    def dataset(self, spec: JobSpec, data_uri: str) -> Source:
+        """The data as a source (``trainers.data.sources``): row groups fetched a micro-batch at a time."""
 
     def build_model(self, spec: JobSpec) -> nn.Module: ...
 

@@ -2,7 +2,8 @@
 
 ``model.factory`` returns an ``nn.Module`` (called with ``model.options`` as keywords);
 ``data.factory`` returns a map-style Dataset of ``(input, target)`` pairs (called with
-``data.options``), or ``data.source`` names a Parquet file with ``features``/``label``.
+``data.options``), or ``data.source`` names Parquet data with the columns of ``data.columns``
+(``features`` and ``label`` by default), streamed by row group.
 The loss is ``model.loss`` (cross_entropy or mse) over the module's output.
 """
 
@@ -13,34 +14,15 @@ import importlib
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import Dataset, default_collate
 
 from cluster.storage import StorageRoot
 from trainers.config import JobSpec
-from trainers.data import FeatureDataset, read_table
+from trainers.data import FeatureSource, PairsSource, ParquetFiles
 
 
 def load_ref(ref: str):
     module_name, attr = ref.split(":")
     return getattr(importlib.import_module(module_name), attr)
-
-
-class _Pairs(Dataset):
-    """Adapts a user's dataset of (input, target) pairs to the loop's batch dicts."""
-
-    def __init__(self, inner: Dataset):
-        self.inner = inner
-        self.lengths = getattr(inner, "lengths", None)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getitem__(self, i: int):
-        return self.inner[i]
-
-    def collate(self, items):
-        x, y = default_collate(items)
-        return {"x": x, "y": y}
 
 
 class CustomWorkload:
@@ -50,10 +32,11 @@ class CustomWorkload:
     def prepare(self, spec: JobSpec, root: StorageRoot) -> str:
         return spec.data.source or ""
 
-    def dataset(self, spec: JobSpec, data_uri: str) -> Dataset:
+    def dataset(self, spec: JobSpec, data_uri: str) -> FeatureSource | PairsSource:
         if spec.data.factory:
-            return _Pairs(load_ref(spec.data.factory)(**spec.data.options))
-        return FeatureDataset(read_table(data_uri))
+            return PairsSource(load_ref(spec.data.factory)(**spec.data.options))
+        c = spec.data.columns
+        return FeatureSource(ParquetFiles(data_uri), c.features, c.label)
 
     def build_model(self, spec: JobSpec) -> nn.Module:
         if spec.model.factory:

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from cluster.storage import StorageRoot
 from trainers.config import JobSpec
-from trainers.data import FeatureDataset, read_table
+from trainers.data import FeatureSource, ParquetFiles, write_parquet
 
 DATASET_FILE = "datasets/digits-v1.parquet"
 
@@ -33,9 +31,7 @@ def prepare_builtin(spec: JobSpec, root: StorageRoot, rel: str, make_table: Call
     if spec.data.source and not spec.data.source.startswith("builtin:"):
         return spec.data.source
     if not root.exists(rel):
-        buf = io.BytesIO()
-        pq.write_table(make_table(), buf)
-        root.write_bytes(buf.getvalue(), rel)
+        root.write_bytes(write_parquet(make_table()), rel)
     return root.uri_of(rel)
 
 
@@ -43,8 +39,9 @@ class Digits:
     def prepare(self, spec: JobSpec, root: StorageRoot) -> str:
         return prepare_builtin(spec, root, DATASET_FILE, digits_table)
 
-    def dataset(self, spec: JobSpec, data_uri: str) -> FeatureDataset:
-        return FeatureDataset(read_table(data_uri))
+    def dataset(self, spec: JobSpec, data_uri: str) -> FeatureSource:
+        c = spec.data.columns
+        return FeatureSource(ParquetFiles(data_uri), c.features, c.label)
 
     def build_model(self, spec: JobSpec) -> nn.Module:
         h = spec.model.hidden_size

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cluster.storage import StorageRoot
 from trainers.config import JobSpec
-from trainers.data import TokenDataset, read_table
+from trainers.data import ParquetFiles, TokenSource
 from trainers.workloads.digits import prepare_builtin
 
 DATASET_FILE = "datasets/text-v1.parquet"
@@ -96,8 +96,8 @@ class LanguageModel:
     def prepare(self, spec: JobSpec, root: StorageRoot) -> str:
         return prepare_builtin(spec, root, DATASET_FILE, text_table)
 
-    def dataset(self, spec: JobSpec, data_uri: str) -> TokenDataset:
-        return TokenDataset(read_table(data_uri), pad_id=PAD_ID, max_len=spec.model.max_seq_len)
+    def dataset(self, spec: JobSpec, data_uri: str) -> TokenSource:
+        return TokenSource(ParquetFiles(data_uri), spec.data.columns.tokens, pad_id=PAD_ID, max_len=spec.model.max_seq_len)
 
     def build_model(self, spec: JobSpec) -> nn.Module:
         m = spec.model

@@ -1,0 +1,144 @@
+"""Data at scale on a real local Ray: a data set larger than a worker may hold, and loader
+workers chosen by measurement (data.num_workers: auto)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cluster.storage import open_root
+from trainers import checkpoint as ckpt
+from trainers.config import validate
+from trainers.launch import EXIT_OK, run_job
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROW_FEATURES = 1024  # 4 KiB a row
+GROUP_ROWS = 4096  # 16 MiB row groups
+DATA_BYTES = 2 * 2**30 + 2**26  # a little over 2 GiB of features
+# Each training worker with its loader processes: a Ray Train worker with torch and gloo before
+# any data (its imports alone take ~375 MB), plus what streaming holds by design: two shuffle
+# windows of row groups (8 x 16 MiB here) and the one being read. Reading the whole set (the
+# loader before streaming) took each worker past 1.8 GB.
+RSS_BUDGET = 800 * 2**20
+RSS_KILL = 1800 * 2**20  # a worker past this (most of the data set) is stopped at once: the machine is shared
+
+
+def final_state(summary: dict) -> dict:
+    root = open_root(summary["storage"])
+    return ckpt.load_state(root.fs, summary["checkpoint_uri"].removeprefix("s3://"))
+
+
+def write_big_set(path) -> int:
+    """Random features (they do not compress) in row groups of 16 MiB; returns the bytes of features."""
+    rows = DATA_BYTES // (4 * ROW_FEATURES)
+    schema = pa.schema([("features", pa.list_(pa.float32(), ROW_FEATURES)), ("label", pa.int64())])
+    rng = np.random.default_rng(0)
+    with pq.ParquetWriter(path, schema, compression="none") as writer:
+        for first in range(0, rows, GROUP_ROWS):
+            n = min(GROUP_ROWS, rows - first)
+            values = pa.array(rng.random(n * ROW_FEATURES, dtype=np.float32))
+            features = pa.FixedSizeListArray.from_arrays(values, ROW_FEATURES)
+            writer.write_table(pa.table({"features": features, "label": rng.integers(0, 10, n)}, schema=schema))
+    return rows * ROW_FEATURES * 4
+
+
+class WorkerMemory:
+    """Peak resident memory of each Ray Train worker (with its loader processes), sampled often."""
+
+    def __init__(self, interval_s: float = 0.1):
+        self.peak: dict[int, int] = {}
+        self.killed: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(interval_s,), daemon=True)
+
+    def __enter__(self) -> WorkerMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            procs = {}  # pid -> (parent pid, resident bytes, is a train worker)
+            for entry in (e for e in Path("/proc").iterdir() if e.name.isdigit()):
+                try:
+                    status = (entry / "status").read_text()
+                    worker = b"RayTrainWorker" in (entry / "cmdline").read_bytes()
+                except (OSError, ValueError):
+                    continue
+                fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+                rss = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+                procs[int(entry.name)] = (int(fields["PPid"]), rss, worker)
+            for pid, (_, rss, worker) in procs.items():
+                if not worker:
+                    continue
+                total = rss + sum(r for p, (parent, r, _) in procs.items() if parent == pid)
+                self.peak[pid] = max(self.peak.get(pid, 0), total)
+                if total > RSS_KILL:
+                    self.killed.append(pid)
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def big_set(tmp_path_factory) -> tuple[Path, int]:
+    data = tmp_path_factory.mktemp("big") / "big.parquet"
+    return data, write_big_set(data)
+
+
+@pytest.mark.parametrize("where", ["local disk", "moto S3"])
+def test_two_workers_train_a_data_set_far_larger_than_their_memory(ray_local, s3_server, big_set, where, tmp_path):
+    local, size = big_set
+    assert size >= 2 * 2**30
+    data = str(local)
+    if where == "moto S3":
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+
+        s3 = boto3.client("s3", endpoint_url=s3_server)
+        s3.create_bucket(Bucket="bigdata")
+        # Few, large parts: moto joins them in memory when the upload completes, which takes a while.
+        s3.upload_file(str(local), "bigdata", "big.parquet", Config=TransferConfig(multipart_chunksize=256 * 2**20))
+        assert s3.head_object(Bucket="bigdata", Key="big.parquet")["ContentLength"] == local.stat().st_size
+        data = "s3://bigdata/big.parquet"
+    spec = validate({
+        "name": "big", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 300},
+        "distributed": {"num_workers": 2}, "checkpoint": {"interval": 150, "storage_root": str(tmp_path / "root")},
+        "model": {"factory": "slowpkg:busy_model", "options": {"features": ROW_FEATURES, "classes": 10}},
+        "data": {"source": data, "num_workers": 0},
+        "fault_tolerance": {"max_infrastructure_failures": 0},  # a worker stopped for its memory ends the run
+    })
+    with WorkerMemory() as memory:
+        code, summary = run_job(spec)
+    peaks_mb = sorted(round(p / 2**20) for p in memory.peak.values())
+    print(f"peak RSS per training worker (MB): {peaks_mb}; data {size >> 20} MB")
+    assert not memory.killed, f"workers grew past {RSS_KILL >> 20} MB and were stopped; peaks (MB): {peaks_mb}"
+    assert code == EXIT_OK and summary["final_step"] == 300, summary
+    assert len(memory.peak) >= 2, "both training workers were watched"
+    assert max(memory.peak.values()) < RSS_BUDGET, f"peak RSS per worker (MB): {peaks_mb}, data {size >> 20} MB"
+
+
+def test_auto_loader_workers_cut_the_wait_for_slow_data(ray_local, tmp_path):
+    """Each step's data takes ~16 ms to load in one process and its compute ~12 ms: no loader
+    process leaves the step waiting most of the time, two hide the loading entirely."""
+    spec = validate({
+        "name": "slow-data", "training": {"batch_size": 32, "learning_rate": 0.01, "max_steps": 120,
+                                          "log_interval_steps": 20},
+        "distributed": {"num_workers": 1}, "checkpoint": {"interval": 60, "storage_root": str(tmp_path)},
+        "model": {"factory": "slowpkg:busy_model", "options": {"compute_s": 0.012}},
+        "data": {"factory": "slowpkg:slow_data", "options": {"n": 3000, "item_s": 0.0005}, "num_workers": "auto"},
+    })
+    code, summary = run_job(spec)
+    assert code == EXIT_OK, summary
+    state = final_state(summary)
+    assert state["loader"]["num_workers"] > 0, state["loader"]
+    assert state["metrics"]["data_wait_fraction"] < 0.05, state["metrics"]

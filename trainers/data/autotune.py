@@ -1,0 +1,43 @@
+"""``data.num_workers: auto``: the guide's advice (more loader workers until the GPU stops
+waiting) done by the machine. The loop measures the data-wait fraction of a few steps per
+setting; this pure function says what to try next or where to stay."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+TARGET_WAIT = 0.03  # under this share of step time spent waiting for data, the loader is fast enough
+MIN_GAIN = 0.1  # a setting must cut the wait by this share of the best so far to count as better
+
+
+@dataclass(frozen=True)
+class LoaderSetting:
+    num_workers: int
+    prefetch_factor: int
+
+
+def ladder(cpus: int | None = None) -> tuple[LoaderSetting, ...]:
+    """Settings in the order tried: more workers, then deeper prefetch, up to the machine's CPUs
+    (at least 2: a loader that waits on storage gains from a second process even on one core)."""
+    cap = max(2, cpus or os.cpu_count() or 1)
+    steps = [(0, 2), (1, 2), (2, 2), (4, 2), (4, 4), (8, 4), (16, 4)]
+    return tuple(LoaderSetting(w, p) for w, p in steps if w <= cap)
+
+
+def next_setting(tried: list[tuple[LoaderSetting, float]], options: tuple[LoaderSetting, ...],
+                 target: float = TARGET_WAIT, min_gain: float = MIN_GAIN) -> tuple[LoaderSetting, bool]:
+    """Given the wait fractions measured so far (the last is the current setting): the setting
+    to use next and whether the search is over. It ends when the wait is under ``target``, when
+    the last setting did not clearly beat the best before it (then that one stays), or at the top."""
+    current, wait = tried[-1]
+    if wait <= target:
+        return current, True
+    if len(tried) > 1:
+        before = min(tried[:-1], key=lambda t: t[1])
+        if wait > before[1] * (1 - min_gain):
+            return before[0], True  # no real gain: the cheaper setting that did as well
+    i = options.index(current) if current in options else len(options) - 1
+    if i + 1 >= len(options):
+        return min(tried, key=lambda t: t[1])[0], True
+    return options[i + 1], False
