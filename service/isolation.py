@@ -54,16 +54,14 @@ def jobs_node_ids(url: str, headers: dict[str, str], timeout_s: float = 30.0) ->
                             raise_on_missing_output=False)
     except Exception:  # boundary: the jobs cluster's HTTP API; the caller says what it could not check
         return None
-    return [n["node_id"] if isinstance(n, dict) else n.node_id for n in nodes]
+    return [n.node_id for n in nodes]
 
 
 def same_address(a: str, b: str) -> bool:
     """Whether two dashboard URLs name the same host and port (loopback names alike)."""
-    def norm(url: str) -> str:
-        host_port = url.split("://", 1)[-1].rstrip("/")
-        for name in ("localhost", "0.0.0.0"):
-            host_port = host_port.replace(name, "127.0.0.1", 1) if host_port.startswith(name) else host_port
-        return host_port
+    def norm(url: str) -> tuple[str, str]:
+        host, _, port = url.split("://", 1)[-1].rstrip("/").rpartition(":")
+        return ("127.0.0.1" if host in ("localhost", "0.0.0.0") else host), port
     return norm(a) == norm(b)
 
 
