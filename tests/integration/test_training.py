@@ -280,7 +280,7 @@ def test_a_stop_request_ends_the_job_with_a_checkpoint_and_a_rerun_resumes(ray_l
     summary = result["summary"]
     assert result["code"] == EXIT_STOPPED and summary["status"] == "stopped", summary
     stopped_at = summary["final_step"]
-    assert 0 < stopped_at < 3000 and stopped_at % spec.training.log_interval_steps == 0
+    assert 0 < stopped_at < 3000  # the vote rides every all-reduce, so any step may be the stop's
     assert summary["checkpoint_uri"].endswith(ckpt.dir_name(stopped_at))  # the final checkpoint is the stop's
     rows = read_history(open_root(str(tmp_path)), "stop-me")
     steps = [r["step"] for r in rows]
