@@ -60,7 +60,7 @@ def main() -> None:
     import torch
 
     from trainers.config import validate
-    from trainers.workloads.lm import TinyGPT, flops_per_token  # noqa: F401
+    from trainers.workloads.lm import flops_per_token
 
     gpu = torch.cuda.is_available()
     if not gpu and not args.cpu_check:

@@ -10,6 +10,9 @@
 - The dashboard address of the Ray this process is connected to (Ray has no public getter).
 - The most of each resource the autoscaler may bring up, when it reported its node groups to
   the GCS (``use_gpu: auto`` reads it through cluster.capacity).
+- Where `ray start` records the address of the cluster it started (``ray_current_cluster``):
+  a Ray that was killed leaves it behind, and Ray's own "auto" lookups inside a new cluster
+  (Ray Train's placement-group cleaner) then query the dead address until they time out.
 - The driver's printer of worker output and its autoscaler-event filter: `etrain run` routes
   forwarded worker lines through its own console instead of Ray's printer.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 
 
 REFRESH_REQUESTER = "etrain-refresh"  # owns no request: asking for its reservation only ticks the actor
@@ -98,6 +102,14 @@ def reported_max_resources() -> dict[str, float] | None:
 
     found = ray._private.state.state.get_max_resources_from_cluster_config()
     return {k: float(v) for k, v in found.items()} if found else None
+
+
+def address_record() -> Path:
+    """The file in which `ray start` records its cluster's address for ``address="auto"``
+    (Ray's temp dir: RAY_TMPDIR, else TMPDIR, else /tmp); `ray stop` removes it."""
+    from ray._common.utils import get_ray_address_file
+
+    return Path(get_ray_address_file(None))
 
 
 WORKER_LOG_HANDLER = "ray_print_logs"

@@ -37,6 +37,24 @@ def service_state_outside_home(tmp_path_factory):
         os.environ["ETRAIN_STATE_DIR"] = saved
 
 
+@pytest.fixture(autouse=True)
+def ray_address_record_kept():
+    """A test that runs `ray start` and stops it by pid leaves Ray's address record naming a dead
+    cluster; every later Ray on this machine would look it up (Ray Train's placement-group
+    cleaner then waits 12 s at the end of each run). Each test leaves the record as it found it."""
+    from cluster.ray_adapter import address_record
+
+    record = address_record()
+    before = record.read_text() if record.exists() else None
+    yield
+    after = record.read_text() if record.exists() else None
+    if after != before:
+        if before is None:
+            record.unlink(missing_ok=True)
+        else:
+            record.write_text(before)
+
+
 @pytest.fixture
 def storage(tmp_path: Path) -> Path:
     root = tmp_path / "storage"
@@ -66,6 +84,10 @@ def s3_server():
 
 def start_local_ray():
     import ray
+
+    from trainers.launch import running_cluster_address
+
+    running_cluster_address()  # removes a record left by a killed Ray, which Ray's own lookups would use
 
     ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
              configure_logging=True, logging_level="WARNING",

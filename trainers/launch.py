@@ -11,22 +11,22 @@ An absolute ``checkpoint.path`` moves the job's folder there (see trainers.home)
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import signal
 import socket
 import threading
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow.fs as pafs
 import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from cluster import ray_adapter
 from cluster.capacity import gpu_capacity
 from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint as ckpt
@@ -35,7 +35,10 @@ from trainers.home import JobHome, job_home
 from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, should_retry
 from trainers.workloads import resolve
 
+log = logging.getLogger(__name__)
+
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_STOPPED = 0, 1, 2, 3
+CONTROLLER_POLL_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -92,21 +95,31 @@ def preflight(spec: JobSpec) -> StorageRoot:
 def running_cluster_address() -> str | None:
     """RAY_ADDRESS, or the cluster `ray start` left on record if its GCS answers.
 
-    A Ray that died without cleaning up leaves its address file behind, and joining that
-    address hangs; a one-second TCP probe tells a live cluster from a stale record.
+    A Ray that was killed without `ray stop` leaves its address record behind. Joining that
+    address hangs, and so do Ray's own "auto" lookups inside the local Ray started instead (Ray
+    Train's placement-group cleaner waits 12 s for the dead address at the end of every run).
+    A one-second TCP probe tells a live cluster from a stale record; a stale one is removed,
+    as `ray stop` would have done.
     """
     if os.environ.get("RAY_ADDRESS"):
         return os.environ["RAY_ADDRESS"]
-    record = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
-    if not record.exists():
+    record = ray_adapter.address_record()
+    try:
+        address = record.read_text().strip()
+    except OSError:
         return None
-    address = record.read_text().strip()
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=1.0):
             return address
     except (OSError, ValueError):
-        return None
+        pass
+    try:
+        record.unlink()
+        log.info("removed %s: it named %s, where no Ray answers (a Ray killed without `ray stop`)", record, address)
+    except OSError:  # another user's record: leave it
+        pass
+    return None
 
 
 def ensure_ray(num_workers: int) -> bool:
@@ -136,6 +149,10 @@ def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
     d = spec.distributed
     # Ray Train propagates its RAY_TRAIN_* settings from the driver to its controller.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(spec.fault_tolerance.worker_start_timeout_s))
+    # The controller polls its workers this often: it sees a finished or failed group within
+    # 0.5 s instead of Ray's 2 s (each poll is one small call per worker), and it takes one
+    # report per poll while report() waits for it (a sweep's trials report at every checkpoint).
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(CONTROLLER_POLL_INTERVAL_S))
     num_workers = d.num_workers if isinstance(d.num_workers, int) else (d.num_workers.min, d.num_workers.max)
     loop = train_loop_per_worker
     if spec.train_loop:
@@ -292,7 +309,6 @@ class NodeWatch:
         return frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"])
 
     def _run(self) -> None:
-        from cluster import ray_adapter
 
         seen = self.live_nodes()
         while not self._stop.wait(self.interval_s):
@@ -322,7 +338,6 @@ def settle_cluster_view(error: BaseException, say, gone_timeout_s: float = 60.0)
     for the drained node and waits out fault_tolerance.worker_start_timeout_s (bench/preemption.py)."""
     from ray.train.v2.api.exceptions import PreemptionError
 
-    from cluster import ray_adapter
 
     leaving = set(error.preemption_info.preempted_node_ids) if isinstance(error, PreemptionError) else set()
     deadline = time.monotonic() + gone_timeout_s

@@ -52,7 +52,6 @@ TIME_ATTR = "epochs_done"
 # search needs far fewer; a range samples from many).
 MAX_SPACE_VALUES = 256
 TRIAL_DRIVER_CPU = 0.05
-TRIAL_POLL_INTERVAL_S = 0.5
 
 
 class SweepConfig(Strict):
@@ -306,10 +305,6 @@ def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
     from trainers.home import job_home
     from trainers.launch import latest_metrics, run_job
 
-    # Ray Train's controller takes one report per poll (2 s by default) and report() waits for it;
-    # trials report at every checkpoint to feed the scheduler, so poll faster. Ray passes
-    # RAY_TRAIN_* settings on from this process to the trial's controller.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(TRIAL_POLL_INTERVAL_S))
     data = trial_spec_data(base, config)
     data["name"] = trial_job_name(ray.tune.get_context().get_trial_id())
     data.setdefault("checkpoint", {})["storage_root"] = jobs_uri

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import boto3
@@ -51,14 +54,27 @@ def test_guide_template_trains_from_the_command_line(tmp_path):
     volume, root = tmp_path / "volume", tmp_path / "root"
     volume.mkdir()
     os.makedirs("/checkpoints", exist_ok=True)  # the mount point (the namespace's mount hides what is in it)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ETRAIN_STORAGE_ROOT": str(root)}
-    proc = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         'mount --bind "$0" /checkpoints && exec "$1" -m trainers.train configs/deployment-guide.json '
-         '--set training.max_steps=6', str(volume), sys.executable],
-        capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+    # A laptop where a `ray start` was killed: its address record names a dead cluster.
+    ray_temp = Path(tempfile.mkdtemp(prefix="etr-", dir="/tmp"))  # short: Ray's socket paths must fit
+    (ray_temp / "ray").mkdir()
+    stale = ray_temp / "ray" / "ray_current_cluster"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        stale.write_text(f"127.0.0.1:{s.getsockname()[1]}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ETRAIN_STORAGE_ROOT": str(root), "RAY_TMPDIR": str(ray_temp)}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        proc = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             'mount --bind "$0" /checkpoints && exec "$1" -m trainers.train configs/deployment-guide.json '
+             '--set training.max_steps=6', str(volume), sys.executable],
+            capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+        stale_left = stale.exists()
+    finally:
+        shutil.rmtree(ray_temp, ignore_errors=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
+    assert not stale_left and "PlacementGroupCleaner" not in out, "Ray's own lookups went to the dead cluster"
     assert "falling back to gloo" in out and "handled by Ray's rendezvous" in out
     assert "storage /checkpoints, checkpoints /checkpoints," in out, "the first lines say where checkpoints go"
     assert "[etrain] step 6/6" in out

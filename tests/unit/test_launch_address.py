@@ -1,0 +1,57 @@
+"""Which Ray `etrain run` joins: RAY_ADDRESS, a live `ray start` on record, or a new local one.
+
+A record left by a Ray that was killed (no `ray stop`) is removed: Ray's own "auto" lookups in
+the local Ray started instead would otherwise query the dead address (Ray Train's
+placement-group cleaner waited 12 s at the end of every run, and printed a traceback).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from cluster.ray_adapter import address_record
+from trainers.launch import running_cluster_address
+
+
+@pytest.fixture
+def ray_temp(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    (tmp_path / "ray").mkdir()
+    return tmp_path / "ray"
+
+
+def dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_record_is_rays_own_file_in_rays_temp_dir(ray_temp):
+    assert address_record() == ray_temp / "ray_current_cluster"
+
+
+def test_a_record_of_a_dead_ray_is_removed(ray_temp):
+    record = ray_temp / "ray_current_cluster"
+    record.write_text(f"127.0.0.1:{dead_port()}")
+    assert running_cluster_address() is None
+    assert not record.exists()
+
+
+def test_a_live_cluster_on_record_is_joined_and_its_record_kept(ray_temp):
+    record = ray_temp / "ray_current_cluster"
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen()
+        address = f"127.0.0.1:{gcs.getsockname()[1]}"
+        record.write_text(address)
+        assert running_cluster_address() == address
+    assert record.read_text() == address
+
+
+def test_ray_address_wins_and_no_record_means_a_new_local_ray(ray_temp, monkeypatch):
+    assert running_cluster_address() is None
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert running_cluster_address() == "10.0.0.5:6379"
