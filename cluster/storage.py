@@ -40,6 +40,10 @@ def check_uri(uri: str) -> str | None:
     return None
 
 
+S3_REQUEST_TIMEOUT_S = 60.0
+S3_CONNECT_TIMEOUT_S = 10.0
+
+
 def s3_filesystem() -> pafs.S3FileSystem:
     """An S3 filesystem configured from the standard AWS settings.
 
@@ -59,7 +63,9 @@ def s3_filesystem() -> pafs.S3FileSystem:
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         kwargs["region"] = region
-    return pafs.S3FileSystem(**kwargs)
+    # The AWS SDK's default gives up on a request that moves no bytes for 3 s: a busy S3-compatible
+    # server (or S3 throttling a large ranged read) stalls that long, and a streamed row group was lost.
+    return pafs.S3FileSystem(request_timeout=S3_REQUEST_TIMEOUT_S, connect_timeout=S3_CONNECT_TIMEOUT_S, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from trainers.config import SpecError, load_spec
+from trainers.worker_log import LOG_LEVEL_ENV
 
 EXAMPLES = """examples:
   etrain run configs/quickstart.yaml
@@ -38,8 +39,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the final summary as JSON only")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show Ray's own log lines (worker and controller chatter), hidden by default")
-    p.add_argument("--log-level", choices=["info", "debug"], default="info",
-                   help="debug shows Ray's own log lines too (same as --verbose)")
+    p.add_argument("--log-level", choices=["warning", "info", "debug"], default="info",
+                   help="our workers' lines: warning (problems only), info (progress, the default) or "
+                        "debug (ours in detail, and Ray's own log lines as with --verbose)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -52,6 +54,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trainers.launch import run_job
 
     verbose = args.verbose or args.log_level == "debug"
+    os.environ[LOG_LEVEL_ENV] = args.log_level.upper()  # the workers' level: launch passes it on
     try:
         with Console(sys.stderr if args.json else sys.stdout, verbose=verbose) as console:
             code, summary = run_job(spec, stop_at_step=args.stop_at_step, say=console.say)

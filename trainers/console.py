@@ -40,12 +40,17 @@ def hms(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def progress_line(step: int, target: int, loss: float, lr: float, samples_per_s: float, tokens_per_s: float,
+def progress_text(step: int, target: int, loss: float, lr: float, samples_per_s: float, tokens_per_s: float,
                   eta_s: float) -> str:
-    """The loop's line at a log step; ``parse_progress`` reads it back on the driver."""
-    return (f"{OURS} step {step}/{target} ({100 * step / target:.0f}%) loss {loss:.4f} lr {lr:.2e} "
+    """The loop's message at a log step (the worker's logger puts ``[etrain]`` before it)."""
+    return (f"step {step}/{target} ({100 * step / target:.0f}%) loss {loss:.4f} lr {lr:.2e} "
             f"{samples_per_s:.0f} samples/s" + (f" {tokens_per_s:.0f} tokens/s" if tokens_per_s else "")
             + f" eta {hms(eta_s)}")
+
+
+def progress_line(*args) -> str:
+    """The loop's line as printed; ``parse_progress`` reads it back on the driver."""
+    return f"{OURS} {progress_text(*args)}"
 
 
 def parse_progress(line: str) -> Progress | None:

@@ -33,6 +33,7 @@ from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, SpecError
 from trainers.home import JobHome, job_home
 from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, should_retry
+from trainers.worker_log import LOG_LEVEL_ENV
 from trainers.workloads import resolve
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,8 @@ def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
             checkpoint_config=CheckpointConfig(num_to_keep=None),
             logging_config=LoggingConfig(log_level="WARNING"),  # our loop prints progress itself
             # Ray would also log every print() of a worker, doubling each progress line.
-            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                                             LOG_LEVEL_ENV: os.environ.get(LOG_LEVEL_ENV, "INFO")}},
         ),
     )
 

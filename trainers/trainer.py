@@ -35,10 +35,11 @@ from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.checkpointer import Checkpointer, Kind
 from trainers.config import JobSpec, batching_summary
-from trainers.console import progress_line
+from trainers.console import progress_text
 from trainers.data import BatchPlan, Feed, StepMicroBatches, accounting
 from trainers.observe import Observer, group_kinds
 from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, StopFlag, interruption_record
+from trainers.worker_log import worker_log, worker_logger
 from trainers.workloads import resolve
 
 
@@ -150,7 +151,7 @@ class Pulse:
                         self.beats.beat(self.step, self.world, force=True)
                 self.stop_requested = self.stop_requested or self.stop_flag.requested()
             except Exception as exc:  # boundary: a missed beat only blurs recovery accounting; try next tick
-                print(f"[etrain] note: heartbeat: {type(exc).__name__}: {exc}", flush=True)
+                worker_log().warning("note: heartbeat: %s: %s", type(exc).__name__, exc)
 
     def checkpointed(self, step: int, jit: bool) -> None:
         """A beat at each checkpoint; after a just-in-time one, none until training moves on."""
@@ -193,7 +194,7 @@ class Trainer:
         self.target = target_step(spec, self.plan.steps_per_epoch)
         self.stop = min(self.target, config.get("stop_at_step") or self.target)
         self.start, self.restored, self.jit_taken = 0, {}, False
-        self.say = print if self.rank == 0 else (lambda *a, **k: None)
+        self.log = worker_logger(self.rank)
 
     # -------------------------------------------------------------- setup and restore
 
@@ -238,8 +239,7 @@ class Trainer:
         if self.rank == 0:
             chosen, skipped = ckpt.find_restore(self.root.fs, self.run_path)
             for c in skipped:
-                self.say(f"[etrain] skipping checkpoint {self.root.uri_of(c.path[len(self.root.base) + 1:])}: {c.problem}",
-                         flush=True)
+                self.log.info("skipping checkpoint %s: %s", self.root.uri_of(c.path[len(self.root.base) + 1:]), c.problem)
             choice = [chosen.path if chosen else None]
         if self.world > 1:
             dist.broadcast_object_list(choice, src=0)
@@ -252,8 +252,8 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.start, self.restored = state["step"], {"observer": state.get("observer"), "batching": state.get("batching"),
                                                     "loader": state.get("loader")}
-        self.say(f"[etrain] resumed from step {self.start} (saved at world size {state['world_size']}, "
-                 f"now {self.world}; cursor {state['cursor']})", flush=True)
+        self.log.info("resumed from step %d (saved at world size %d, now %d; cursor %s)", self.start,
+                      state["world_size"], self.world, state["cursor"])
 
     def open_loader(self, step: int) -> None:
         b, data = self.batching, self.spec.data
@@ -261,7 +261,7 @@ class Trainer:
         # A new split (out of memory) keeps the loader setting the feed had tuned; a resume, the one saved.
         tuned = self.feed.state() if getattr(self, "feed", None) is not None else self.restored.get("loader")
         self.feed = Feed(self.dataset, self.steps, step, self.stop, data.num_workers, data.prefetch_factor, self.device,
-                         tuned=tuned, announce=(lambda line: self.say(line, flush=True)),
+                         tuned=tuned, announce=self.log.info,
                          record_ids=data.record_sample_ids)
 
     def start_services(self) -> None:
@@ -291,9 +291,9 @@ class Trainer:
         self.setup()
         self.start_services()
         t, b = self.spec.training, self.batching
-        self.say(f"[etrain] {self.spec.name}: world size {self.world}, global batch {t.batch_size} = {b.per_worker}/worker "
+        self.log.info(f"{self.spec.name}: world size {self.world}, global batch {t.batch_size} = {b.per_worker}/worker "
                  f"(micro-batch {b.micro} x {b.accum} accumulation{', dynamic by tokens' if b.max_tokens else ''}); "
-                 f"steps {self.start} -> {self.stop} of {self.target}, {self.plan.steps_per_epoch} per epoch", flush=True)
+                 f"steps {self.start} -> {self.stop} of {self.target}, {self.plan.steps_per_epoch} per epoch")
         preempt_every = self.spec.checkpoint.preemption_check_steps
         self.clock = Clock(time.perf_counter())
         self.model.train()
@@ -321,7 +321,7 @@ class Trainer:
                 if preemption is not None:
                     wait_out_preemption(preemption, self.rank, done)
                 if stop_now:
-                    self.say(f"[etrain] stop requested: stopped at step {done} with a checkpoint; run again to resume", flush=True)
+                    self.log.info("stop requested: stopped at step %d with a checkpoint; run again to resume", done)
                     break
             self.checkpointer.wait()
         finally:
@@ -406,9 +406,8 @@ class Trainer:
                                                      self.device))
         micro, accum, tokens = split
         b.reductions.append({"step": step, "from": b.micro, "to": micro})
-        self.say(f"[etrain] out of memory at step {step} with micro-batch {b.micro}: now micro-batch {micro} x {accum} "
-                 f"accumulation{f', {tokens} tokens' if tokens else ''} (same global batch), kept for the rest of the run",
-                 flush=True)
+        self.log.info(f"out of memory at step {step} with micro-batch {b.micro}: now micro-batch {micro} x {accum} "
+                      f"accumulation{f', {tokens} tokens' if tokens else ''} (same global batch), kept for the rest of the run")
         b.micro, b.max_tokens, b.steps_at_split = micro, tokens, 0
         self.open_loader(step)
 
@@ -449,8 +448,8 @@ class Trainer:
         clock.window_start = now
         self.observer.log_step(metrics, elapsed)
         eta = (self.target - done) / max(1e-9, (done - self.start) / (now - clock.run_start))
-        self.say(progress_line(done, self.target, metrics["loss"], metrics["learning_rate"], metrics["samples_per_s"],
-                               metrics["tokens_per_s"], eta), flush=True)
+        self.log.info(progress_text(done, self.target, metrics["loss"], metrics["learning_rate"], metrics["samples_per_s"],
+                               metrics["tokens_per_s"], eta))
         return metrics
 
     def save(self, done: int, kind: Kind, metrics: dict) -> None:
@@ -552,8 +551,8 @@ def record_interruption(root, job: str, last: Heartbeat, restored_step: int, wor
     record = interruption_record(last, restored_step, world, time.time())
     records = root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else []
     root.write_json([*records, record], job, INTERRUPTIONS_FILE)
-    print(f"[etrain] recovered from {record['cause']} in {record['recovery_s']:.1f}s: "
-          f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}", flush=True)
+    worker_log().info(f"recovered from {record['cause']} in {record['recovery_s']:.1f}s: "
+          f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}")
 
 
 def own_node_kind():
@@ -571,8 +570,8 @@ def wait_out_preemption(info, rank: int, step: int, grace_s: float = 30.0) -> No
     """
     deadline_s = (info.deadline_ms / 1000 - time.time()) if info.deadline_ms else 0.0
     if rank == 0:
-        print(f"[etrain] preemption notice for nodes {info.preempted_node_ids}: checkpoint at step {step} "
-              f"saved; idling {max(0.0, deadline_s):.0f}s until the restart", flush=True)
+        worker_log().warning(f"preemption notice for nodes {info.preempted_node_ids}: checkpoint at step {step} "
+              f"saved; idling {max(0.0, deadline_s):.0f}s until the restart")
     time.sleep(max(0.0, deadline_s) + grace_s)
 
 

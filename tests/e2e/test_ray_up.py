@@ -1,4 +1,5 @@
 """One-box use of the cluster path: `ray up` on the local twin over a real sshd, `ray job submit`.
+The node's environment is baked from this venv, as a node image would hold it (see baked_node_env).
 
 (The real thing, fresh nodes with their own addresses, users and homes, is tests/e2e/test_rehearsal.py.)
 
@@ -52,6 +53,24 @@ def stop_pids(pids: set[int]) -> None:
         time.sleep(2)
 
 
+def baked_node_env(env_dir: Path) -> None:
+    """The node's environment as a node image holds it: this venv's packages, hard-linked (seconds,
+    where pip takes minutes to unpack torch and Ray), its scripts pointed at the new interpreter.
+    The twin's setup commands still run, find the pins installed and install the project."""
+    cp = subprocess.run(["cp", "-al", sys.prefix, str(env_dir)], capture_output=True, text=True)
+    if cp.returncode != 0:  # another filesystem: hard links cannot cross it
+        shutil.rmtree(env_dir, ignore_errors=True)
+        subprocess.run(["cp", "-a", sys.prefix, str(env_dir)], check=True)
+    old, new = f"#!{sys.prefix}/bin/python".encode(), f"#!{env_dir}/bin/python".encode()
+    for script in (env_dir / "bin").iterdir():
+        if script.is_file() and not script.is_symlink():
+            text = script.read_bytes()
+            if text.startswith(old):
+                script.unlink()  # a new file: the hard link to this venv's script stays as it was
+                script.write_bytes(new + text[len(old):])
+                script.chmod(0o755)
+
+
 @pytest.fixture
 def sshd(tmp_path):
     if not (os.path.exists(SSHD) and shutil.which("rsync")):
@@ -94,6 +113,8 @@ def test_ray_up_then_job_submit_then_ray_down(sshd, tmp_path):
     config.write_text(yaml.safe_dump(twin))
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     ray = str(BIN / "ray")
+    node_dir.mkdir()
+    baked_node_env(node_dir / ".node-venv")
     try:
         started = time.time()
         # The README's first step: one box, one user, so the head reads this very token.

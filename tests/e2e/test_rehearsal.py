@@ -206,6 +206,10 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
         timeout=180)
     fs = s3_fs(s3)
     by_ip = {n.ip: n for n in cloud.nodes}
+    started = time.monotonic()
+
+    def phase(what: str) -> None:  # shown with a failure: where the time went
+        print(f"[rehearsal] {time.monotonic() - started:5.0f}s {what}")
 
     def logs() -> str:
         return launcher.ray("job", "logs", "--address", launcher.dashboard, job, check=False, timeout=60).stdout
@@ -216,17 +220,20 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
 
     try:
         wait_for(lambda: checkpoint_steps(fs, name), 300, "the first checkpoint", poll_s=1)
+        phase("first checkpoint")
         first = wait_for(lambda: (lambda ips: ips if len(ips) == 2 else None)(json.loads(on_head(cloud, TRAINING_NODES))),
                          120, "2 training workers", poll_s=3)
         assert cloud.head.ip not in first, "training runs on the workers, as GPU workers do on AWS"
         spot = by_ip[first[0]]
         cloud.interrupt(spot, deadline_s=25)
+        phase(f"spot notice served on {spot.name}")
         wait_for(lambda: "draining this node" in (spot.tmp / "etrain-spot-watch.log").read_text(), 60,
                  "the spot watcher to drain its node", poll_s=1)
         assert "this node is " in (spot.tmp / "etrain-spot-watch.log").read_text()
         records = wait_for(lambda: read_json(fs, f"{BUCKET}/runs/{name}/interruptions.json"), 180,
                            "the interruption record", poll_s=1)
         cloud.kill(spot)  # the instance is terminated at the notice's deadline
+        phase(f"interruption recorded, {spot.name} terminated")
         assert records[0]["cause"] == "preemption notice", records
         assert records[0]["steps_lost"] <= 1, records
         second = wait_for(lambda: (lambda ips: ips if ips and spot.ip not in ips and len(ips) == 2 else None)(
@@ -234,8 +241,10 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
         # Cut at once: each step all-reduces with every rank, so the job cannot reach its target
         # without noticing the lost node, however fast it steps.
         cloud.cut_network(by_ip[second[0]])
+        phase(f"training on 2 nodes again; network of {by_ip[second[0]].name} cut")
         status = wait_for(lambda: (lambda s: s if any(w in s for w in ("succeeded", "failed", "stopped")) else None)(
             job_status()), 480, "the job to end", poll_s=5)
+        phase(f"job ended: {status.strip()[-60:]}")
         text = logs()
         assert "succeeded" in status, status + text[-4000:]
     finally:

@@ -130,19 +130,40 @@ def test_two_workers_learn_text_with_dynamic_batching(ray_local, tmp_path):
     assert summary["final_loss"] < 0.75 * math.log(257), summary  # well under a uniform guess over bytes
 
 
-def test_resume_is_bit_exact(ray_local, tmp_path):
-    code, whole = run_job(digits_spec(tmp_path, "unbroken"))
-    assert code == EXIT_OK
-    code, part = run_job(digits_spec(tmp_path, "broken"), stop_at_step=6)
+def test_resume_is_bit_exact_and_retention_and_staging_never_break_it(ray_local, tmp_path):
+    """An unbroken run (synchronous uploads, every checkpoint kept) and a run stopped at step 6
+    and resumed (asynchronous uploads, one checkpoint kept) end bit for bit alike. Retention
+    removed the checkpoint Ray's own run snapshot still names; rank 0 keeps no local copies."""
+    import uuid
+
+    from staging import leftover_staging
+
+    name = f"unbroken-{uuid.uuid4().hex[:8]}"  # TensorBoard's events hold the spec, and so this name
+    unbroken = digits_spec(tmp_path, name)
+    unbroken.checkpoint.upload = "sync"
+    unbroken.checkpoint.min_interval_s = 0
+    unbroken.checkpoint.num_to_keep = None
+    code, whole = run_job(unbroken)
+    assert code == EXIT_OK, whole
+    assert len(list((tmp_path / name / "checkpoints").glob("checkpoint_0*"))) == 3
+    assert leftover_staging(name, tmp_path / name / "checkpoints") == []
+
+    broken = digits_spec(tmp_path, "broken")
+    broken.checkpoint.num_to_keep = 1
+    broken.checkpoint.min_interval_s = 0
+    code, part = run_job(broken, stop_at_step=6)
     assert code == EXIT_STOPPED and part["final_step"] == 6 and part["status"] == "stopped"
-    code, rest = run_job(digits_spec(tmp_path, "broken"))
-    assert code == EXIT_OK and rest["final_step"] == 12
+    assert [p.name for p in (tmp_path / "broken" / "checkpoints").glob("checkpoint_0*")] == ["checkpoint_000000006"]
+    code, rest = run_job(broken)  # Ray's own run snapshot still names checkpoint 4, which retention removed
+    assert code == EXIT_OK and rest["final_step"] == 12, rest
     a, b = final_state(whole), final_state(rest)
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
     for pid, st in a["optimizer"]["state"].items():
-        for name, tensor in st.items():
-            assert torch.equal(tensor, b["optimizer"]["state"][pid][name]), (pid, name)
+        for field, tensor in st.items():
+            assert torch.equal(tensor, b["optimizer"]["state"][pid][field]), (pid, field)
+    code, again = run_job(broken)  # a finished job reports its summary again
+    assert code == EXIT_OK and again["final_step"] == 12 and again["final_loss"] == rest["final_loss"], again
 
 
 def test_resume_on_fewer_workers_keeps_step_and_global_batch(ray_local, tmp_path):
@@ -166,12 +187,26 @@ def test_resume_on_fewer_workers_keeps_step_and_global_batch(ray_local, tmp_path
         assert torch.allclose(a["model"][key], b["model"][key], atol=1e-5), key
 
 
-def test_checkpoints_to_s3_and_resume(ray_local, s3_server, tmp_path):
+def test_checkpoints_to_s3_survive_a_transient_upload_error_and_resume(ray_local, s3_server, tmp_path, monkeypatch):
+    """The first PUT of checkpoint 4's model fails (a 503 from a proxy in front of the S3 server):
+    the upload is retried and lands; the job stops at 6 and resumes from S3 to its target."""
+    from faulty_proxy import FaultyProxy
+
     boto3.client("s3").create_bucket(Bucket="etrain-ckpts")
     spec = digits_spec("s3://etrain-ckpts/runs", "on-s3")
-    code, part = run_job(spec, stop_at_step=4)
-    assert code == EXIT_STOPPED
-    assert part["checkpoint_uri"].startswith("s3://etrain-ckpts/runs/on-s3/checkpoints/checkpoint_000000004")
+    proxy = FaultyProxy(s3_server, lambda method, path: method == "PUT" and path.endswith("/model_4.pt"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)  # the driver's filesystem, which Ray uploads with
+    try:
+        code, part = run_job(spec, stop_at_step=6)
+    finally:
+        proxy.close()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    assert code == EXIT_STOPPED, part
+    assert proxy.failed == [("PUT", "/etrain-ckpts/runs/on-s3/checkpoints/checkpoint_000000004/model_4.pt")]
+    assert ("PUT", proxy.failed[0][1], 200) in proxy.passed, "the failed upload was retried and went through"
+    _, problem = ckpt.verify(open_root("s3://etrain-ckpts").fs, "etrain-ckpts/runs/on-s3/checkpoints/checkpoint_000000004")
+    assert problem is None
+    assert part["checkpoint_uri"].startswith("s3://etrain-ckpts/runs/on-s3/checkpoints/checkpoint_000000006")
     code, rest = run_job(digits_spec("s3://etrain-ckpts/runs", "on-s3"))
     assert code == EXIT_OK and rest["final_step"] == 12
     keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="etrain-ckpts")["Contents"]}
@@ -232,24 +267,6 @@ def test_user_error_beyond_the_budget_fails_with_its_message(ray_local, tmp_path
     assert "user bug at forward call 12" in summary["error"]
 
 
-def test_transient_s3_error_during_checkpoint_upload_is_retried(ray_local, s3_server, tmp_path, monkeypatch):
-    from faulty_proxy import FaultyProxy
-
-    boto3.client("s3").create_bucket(Bucket="etrain-flaky")
-    proxy = FaultyProxy(s3_server, lambda method, path: method == "PUT" and path.endswith("/model_4.pt"))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)  # the driver's filesystem, which Ray uploads with
-    try:
-        code, summary = run_job(digits_spec("s3://etrain-flaky/runs", "flaky-s3"))
-    finally:
-        proxy.close()
-        monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
-    assert code == EXIT_OK, summary
-    assert proxy.failed == [("PUT", "/etrain-flaky/runs/flaky-s3/checkpoints/checkpoint_000000004/model_4.pt")]
-    assert ("PUT", proxy.failed[0][1], 200) in proxy.passed, "the failed upload was retried and went through"
-    _, problem = ckpt.verify(open_root("s3://etrain-flaky").fs, "etrain-flaky/runs/flaky-s3/checkpoints/checkpoint_000000004")
-    assert problem is None
-
-
 def test_doctor_finds_the_running_cluster(ray_local, tmp_path):
     address = ray_local.get_runtime_context().gcs_address
     ok = subprocess.run([sys.executable, "-m", "trainers.cli", "doctor", "--address", address,
@@ -264,54 +281,12 @@ def test_doctor_finds_the_running_cluster(ray_local, tmp_path):
     assert bad.returncode == 1 and "is not writable" in bad.stdout and "fix:" in bad.stdout
 
 
-def test_retention_never_breaks_a_resume_or_a_rerun(ray_local, tmp_path):
-    spec = digits_spec(tmp_path, "kept-one")
-    spec.checkpoint.num_to_keep = 1
-    spec.checkpoint.min_interval_s = 0
-    code, part = run_job(spec, stop_at_step=8)
-    assert code == EXIT_STOPPED
-    assert [p.name for p in (tmp_path / "kept-one" / "checkpoints").glob("checkpoint_0*")] == ["checkpoint_000000008"]
-    code, rest = run_job(spec)  # Ray's own run snapshot still names checkpoint 4, which retention removed
-    assert code == EXIT_OK and rest["final_step"] == 12, rest
-    code, again = run_job(spec)  # a finished job reports its summary again
-    assert code == EXIT_OK and again["final_step"] == 12 and again["final_loss"] == rest["final_loss"], again
-
-
-def test_a_stop_request_ends_the_job_with_a_checkpoint_and_a_rerun_resumes(ray_local, tmp_path):
+def test_a_stop_request_stops_its_job_only_with_a_checkpoint_and_a_rerun_resumes(ray_local, tmp_path):
+    """Two jobs of one name in two storage roots: stopping one leaves the other training. The
+    stopped one ends with a checkpoint at its stop step; a rerun clears the flag and goes on."""
     import threading
 
     from trainers.history import read_history
-    from trainers.home import job_home
-    from trainers.recovery import StopFlag
-    from waiting import wait_for
-
-    spec = digits_spec(tmp_path, "stop-me", max_steps=3000)
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))))
-    runner.start()
-    wait_for(lambda: list((tmp_path / "stop-me" / "checkpoints").glob("checkpoint_*/manifest.json")), 300,
-             "a first checkpoint")
-    StopFlag(job_home(spec).key).request()
-    runner.join(180)
-    summary = result["summary"]
-    assert result["code"] == EXIT_STOPPED and summary["status"] == "stopped", summary
-    stopped_at = summary["final_step"]
-    assert 0 < stopped_at < 3000  # the vote rides every all-reduce, so any step may be the stop's
-    assert summary["checkpoint_uri"].endswith(ckpt.dir_name(stopped_at))  # the final checkpoint is the stop's
-    rows = read_history(open_root(str(tmp_path)), "stop-me")
-    steps = [r["step"] for r in rows]
-    assert steps == sorted(steps) and steps[-1] == stopped_at and {"loss", "samples_per_s", "time"} <= set(rows[-1])
-
-    # The flag is cleared at start: the job runs on past the next log step (where a stale flag
-    # would stop it); there is no need to run to its target.
-    code, summary = run_job(spec, stop_at_step=stopped_at + 3 * spec.training.log_interval_steps)
-    assert code == EXIT_STOPPED and summary["final_step"] == stopped_at + 30, summary
-    assert [r["step"] for r in read_history(open_root(str(tmp_path)), "stop-me")][-1] == stopped_at + 30
-
-
-def test_two_jobs_of_one_name_in_two_roots_stop_independently(ray_local, tmp_path):
-    import threading
-
     from trainers.home import job_home
     from trainers.recovery import StopFlag
     from waiting import wait_for
@@ -344,21 +319,19 @@ def test_two_jobs_of_one_name_in_two_roots_stop_independently(ray_local, tmp_pat
             runner.join(180)
     assert results[1]["code"] == EXIT_STOPPED and results[1]["summary"]["final_step"] > at_a_stop, results[1]
 
-
-def test_no_local_checkpoint_or_tensorboard_copies_are_left_behind(ray_local, tmp_path):
-    import uuid
-
-    from staging import leftover_staging
-
-    name = f"leak-{uuid.uuid4().hex[:8]}"  # TensorBoard's events hold the spec, and so this name
-    spec = digits_spec(tmp_path, name, max_steps=16)
-    spec.checkpoint.upload = "sync"
-    spec.checkpoint.min_interval_s = 0
-    spec.checkpoint.num_to_keep = None
-    code, summary = run_job(spec)
-    assert code == EXIT_OK, summary
-    assert len(list((tmp_path / name / "checkpoints").glob("checkpoint_0*"))) == 4
-    assert leftover_staging(name, tmp_path / name / "checkpoints") == []
+    summary = results[0]["summary"]
+    stopped_at = summary["final_step"]
+    assert summary["status"] == "stopped" and 0 < stopped_at  # the vote rides every all-reduce: any step
+    assert summary["checkpoint_uri"].endswith(ckpt.dir_name(stopped_at))  # the final checkpoint is the stop's
+    rows = read_history(open_root(str(tmp_path / "a")), "twin")
+    history = [r["step"] for r in rows]
+    assert history == sorted(history) and history[-1] == stopped_at and {"loss", "samples_per_s", "time"} <= set(rows[-1])
+    # The flag is cleared at start: the job runs on past its first steps (where a stale flag
+    # would stop it); there is no need to run to its target.
+    log_steps = specs[0].training.log_interval_steps
+    code, rerun = run_job(specs[0], stop_at_step=stopped_at + 3 * log_steps)
+    assert code == EXIT_STOPPED and rerun["final_step"] == stopped_at + 3 * log_steps, rerun
+    assert [r["step"] for r in read_history(open_root(str(tmp_path / "a")), "twin")][-1] == stopped_at + 3 * log_steps
 
 
 def oom_spec(root, name, micro, limit=16):

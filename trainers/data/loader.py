@@ -116,7 +116,7 @@ class Feed:
     """The micro-batches of steps [start, stop) on one rank, in the plan's order, on ``device``.
 
     ``tuned`` is the setting an earlier attempt chose with ``auto`` (from its checkpoint);
-    ``state()`` gives it back once chosen; ``announce`` (rank 0's print) logs the choice.
+    ``state()`` gives it back once chosen; ``announce`` (the worker's logger) logs the choice.
     With ``record_ids`` the feed keeps the ids of the samples it handed out, per step, until
     ``take_record`` (``data.record_sample_ids``, see ``accounting``).
     """
@@ -226,7 +226,7 @@ class Feed:
         if done:
             self.tuning = False
             tried = ", ".join(f"{s.num_workers}w/{s.prefetch_factor}p {f:.1%}" for s, f in self.tried)
-            self.announce(f"[etrain] data.num_workers auto: {chosen.num_workers} loader workers, prefetch "
+            self.announce(f"data.num_workers auto: {chosen.num_workers} loader workers, prefetch "
                           f"{chosen.prefetch_factor} (data wait by setting: {tried}); kept on resume")
         self.probe = None
         if chosen != self.setting:
