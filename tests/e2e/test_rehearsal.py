@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 BUCKET = "rehearsal"
 TARGET_STEP = 3000
-STEP_DELAY_S = 0.02  # 3000 steps last at least 60 s
+STEP_DELAY_S = 0.02  # 3000 steps on 2 workers last at least 60 s
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -197,9 +197,11 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
         "--working-dir", ".", "--runtime-env-json", json.dumps({"env_vars": {**s3, "PYTHONPATH": "tests/fixtures"}}),
         "--", "python3", "-m", "trainers.train", "configs/quickstart.yaml",
         "--set", f"name={name}", "--set", f"checkpoint.storage_root=s3://{BUCKET}/runs",
-        # Each step sleeps: the job outlasts the notice, the restart and the cut on a machine of any speed
-        # (at full speed the quickstart ran its 3000 steps before the notice could be served).
-        "--set", "model.factory=userpkg:slow_model", "--set", f"model.options={{delay_s: {STEP_DELAY_S}}}",
+        # Each step on 2 workers sleeps: the job outlasts the notice, the restart and the cut on a machine
+        # of any speed (at full speed the quickstart ran its 3000 steps before the notice could be
+        # served); on the one node left after the cut it runs at full speed to its target.
+        "--set", "model.factory=userpkg:slow_model",
+        "--set", f"model.options={{delay_s: {STEP_DELAY_S}, slow_from_world_size: 2}}",
         "--set", "data.source=null", "--set", "data.factory=userpkg:make_data", "--set", "data.options={n: 3000}",
         "--set", "distributed.num_workers={min: 1, max: 2}", "--set", f"training.max_steps={TARGET_STEP}",
         "--set", "training.epochs=1000", "--set", "checkpoint.interval=500", "--set", "checkpoint.num_to_keep=10",
