@@ -552,7 +552,7 @@ def record_interruption(root, job: str, last: Heartbeat, restored_step: int, wor
     records = root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else []
     root.write_json([*records, record], job, INTERRUPTIONS_FILE)
     worker_log().info(f"recovered from {record['cause']} in {record['recovery_s']:.1f}s: "
-          f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}")
+                      f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}")
 
 
 def own_node_kind():
@@ -571,7 +571,7 @@ def wait_out_preemption(info, rank: int, step: int, grace_s: float = 30.0) -> No
     deadline_s = (info.deadline_ms / 1000 - time.time()) if info.deadline_ms else 0.0
     if rank == 0:
         worker_log().warning(f"preemption notice for nodes {info.preempted_node_ids}: checkpoint at step {step} "
-              f"saved; idling {max(0.0, deadline_s):.0f}s until the restart")
+                             f"saved; idling {max(0.0, deadline_s):.0f}s until the restart")
     time.sleep(max(0.0, deadline_s) + grace_s)
 
 
