@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import pytest
 import yaml
 
 from conftest import free_port
-from processes import session_pids
+from processes import session_pids, stop_session
 from waiting import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -91,13 +90,7 @@ def fake_cloud(tmp_path):
             poll_s=1)
         yield client, url, temp
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in session_pids(head.pid):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            time.sleep(2)
+        stop_session(head.pid)
         head.wait(timeout=30)
         shutil.rmtree(temp, ignore_errors=True)
         assert not session_pids(head.pid), "every process of the fake cluster is stopped"
