@@ -43,14 +43,17 @@ def pids_running_from(folder: Path) -> set[int]:
     return {int(line.split()[0]) for line in out.splitlines() if str(folder) in line}
 
 
-def stop_pids(pids: set[int]) -> None:
+def stop_pids(pids: set[int], grace_s: float = 2.0) -> None:
+    """TERM, then KILL what is still running after ``grace_s``."""
     for sig in (15, 9):
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        time.sleep(2)
+        deadline = time.monotonic() + grace_s
+        while (pids := {p for p in pids if Path(f"/proc/{p}").exists()}) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def baked_node_env(env_dir: Path) -> None:
