@@ -26,9 +26,24 @@ INTERRUPTIONS_FILE = "interruptions.json"
 HEARTBEAT_INTERVAL_S = 1.0
 
 
+# How a collective fails on the ranks that outlive a peer's process or node (gloo's TCP transport,
+# torch's store, NCCL): the last line of the rank's traceback.
+PEER_LOST_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "DistNetworkError",
+                     "NCCL communicator was aborted")
+
+
+def peer_lost(failure: BaseException) -> bool:
+    """Whether a rank failed only because a peer went away (its own code did nothing wrong)."""
+    lines = str(failure).strip().splitlines()
+    return bool(lines) and any(marker in lines[-1] for marker in PEER_LOST_MARKERS)
+
+
 def classify_failure(error: BaseException) -> FailureKind:
     """What a failed ``fit()`` means. A dead worker anywhere makes it infrastructure: when a
-    node dies, the surviving ranks fail too, with collective errors that look like user errors."""
+    node dies, the surviving ranks fail too, with collective errors that look like user errors.
+    Ray may not have noticed the death yet when the survivors' errors arrive (its health check
+    takes seconds, the controller polls every 0.5 s): if every failed rank only lost a peer, the
+    peer's node is gone. A user's own error on any rank makes it the user's."""
     from ray.exceptions import RayActorError
     from ray.train.v2.api.exceptions import PreemptionError, WorkerGroupError
 
@@ -37,8 +52,11 @@ def classify_failure(error: BaseException) -> FailureKind:
     if isinstance(error, PreemptionError):
         return "preemption"
     if isinstance(error, WorkerGroupError):
+        failures = list(error.worker_failures.values())
         infra = (*worker_death_errors(), RayActorError)
-        if any(isinstance(e, infra) for e in error.worker_failures.values()):
+        if any(isinstance(e, infra) for e in failures):
+            return "node_lost"
+        if failures and all(peer_lost(e) for e in failures):
             return "node_lost"
         return "user_error"
     return "fatal"

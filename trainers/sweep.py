@@ -323,6 +323,8 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
 
     Tune stops a trial by tearing its training down, often before the trial's own summary is
     written (or after it recorded the teardown as a failure). Its checkpoints say where it got.
+    A trial reports in the background while it trains on, so it may reach its target before
+    the scheduler's stop arrives: its row then says it finished, where and with what loss.
     """
     from trainers.home import job_home
     from trainers.launch import latest_metrics, make_summary
@@ -331,7 +333,11 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
         if row["status"] == "error":
             continue
         name = trial_job_name(row["trial"])
-        if jobs.exists(name, "summary.json") and jobs.read_json(name, "summary.json").get("status") != "failed":
+        summary = jobs.read_json(name, "summary.json") if jobs.exists(name, "summary.json") else {}
+        if summary.get("status") == "succeeded" and row["status"] == "stopped early":
+            row.update(status="finished", step=summary["final_step"], target_step=summary["target_step"],
+                       loss=summary["final_loss"])  # the metric too, when it is the loss (the row's key)
+        if summary and summary.get("status") != "failed":
             continue
         data = trial_spec_data(base, row["params"])
         data["name"] = name

@@ -194,7 +194,7 @@ class Trainer:
         self.target = target_step(spec, self.plan.steps_per_epoch)
         self.stop = min(self.target, config.get("stop_at_step") or self.target)
         self.start, self.restored, self.jit_taken = 0, {}, False
-        self.log = worker_logger(self.rank)
+        self.logger = worker_logger(self.rank)
 
     # -------------------------------------------------------------- setup and restore
 
@@ -239,7 +239,7 @@ class Trainer:
         if self.rank == 0:
             chosen, skipped = ckpt.find_restore(self.root.fs, self.run_path)
             for c in skipped:
-                self.log.info("skipping checkpoint %s: %s", self.root.uri_of(c.path[len(self.root.base) + 1:]), c.problem)
+                self.logger.info("skipping checkpoint %s: %s", self.root.uri_of(c.path[len(self.root.base) + 1:]), c.problem)
             choice = [chosen.path if chosen else None]
         if self.world > 1:
             dist.broadcast_object_list(choice, src=0)
@@ -252,7 +252,7 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.start, self.restored = state["step"], {"observer": state.get("observer"), "batching": state.get("batching"),
                                                     "loader": state.get("loader")}
-        self.log.info("resumed from step %d (saved at world size %d, now %d; cursor %s)", self.start,
+        self.logger.info("resumed from step %d (saved at world size %d, now %d; cursor %s)", self.start,
                       state["world_size"], self.world, state["cursor"])
 
     def open_loader(self, step: int) -> None:
@@ -261,7 +261,7 @@ class Trainer:
         # A new split (out of memory) keeps the loader setting the feed had tuned; a resume, the one saved.
         tuned = self.feed.state() if getattr(self, "feed", None) is not None else self.restored.get("loader")
         self.feed = Feed(self.dataset, self.steps, step, self.stop, data.num_workers, data.prefetch_factor, self.device,
-                         tuned=tuned, announce=self.log.info,
+                         tuned=tuned, announce=self.logger.info,
                          record_ids=data.record_sample_ids)
 
     def start_services(self) -> None:
@@ -291,7 +291,7 @@ class Trainer:
         self.setup()
         self.start_services()
         t, b = self.spec.training, self.batching
-        self.log.info(f"{self.spec.name}: world size {self.world}, global batch {t.batch_size} = {b.per_worker}/worker "
+        self.logger.info(f"{self.spec.name}: world size {self.world}, global batch {t.batch_size} = {b.per_worker}/worker "
                  f"(micro-batch {b.micro} x {b.accum} accumulation{', dynamic by tokens' if b.max_tokens else ''}); "
                  f"steps {self.start} -> {self.stop} of {self.target}, {self.plan.steps_per_epoch} per epoch")
         preempt_every = self.spec.checkpoint.preemption_check_steps
@@ -321,7 +321,7 @@ class Trainer:
                 if preemption is not None:
                     wait_out_preemption(preemption, self.rank, done)
                 if stop_now:
-                    self.log.info("stop requested: stopped at step %d with a checkpoint; run again to resume", done)
+                    self.logger.info("stop requested: stopped at step %d with a checkpoint; run again to resume", done)
                     break
             self.checkpointer.wait()
         finally:
@@ -406,7 +406,7 @@ class Trainer:
                                                      self.device))
         micro, accum, tokens = split
         b.reductions.append({"step": step, "from": b.micro, "to": micro})
-        self.log.info(f"out of memory at step {step} with micro-batch {b.micro}: now micro-batch {micro} x {accum} "
+        self.logger.info(f"out of memory at step {step} with micro-batch {b.micro}: now micro-batch {micro} x {accum} "
                       f"accumulation{f', {tokens} tokens' if tokens else ''} (same global batch), kept for the rest of the run")
         b.micro, b.max_tokens, b.steps_at_split = micro, tokens, 0
         self.open_loader(step)
@@ -448,7 +448,7 @@ class Trainer:
         clock.window_start = now
         self.observer.log_step(metrics, elapsed)
         eta = (self.target - done) / max(1e-9, (done - self.start) / (now - clock.run_start))
-        self.log.info(progress_text(done, self.target, metrics["loss"], metrics["learning_rate"], metrics["samples_per_s"],
+        self.logger.info(progress_text(done, self.target, metrics["loss"], metrics["learning_rate"], metrics["samples_per_s"],
                                metrics["tokens_per_s"], eta))
         return metrics
 

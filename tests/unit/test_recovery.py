@@ -17,6 +17,15 @@ def group(*errors):
 
 USER = UserExceptionWithTraceback(ValueError("bug"), "Traceback ... ValueError: bug")
 DEAD = WorkerHealthCheckFailedError("worker died", RayActorError())
+# What the rank that outlives a killed node got (gloo, seen in a run), before Ray saw the death.
+GLOO_RESET = UserExceptionWithTraceback(RuntimeError("gloo"), (
+    "Traceback (most recent call last):\n  File \"trainers/trainer.py\", line 370, in train_step\n"
+    "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:61664: Connection reset by peer. This is typically caused by a remote worker hanging"))
+STORE_LOST = UserExceptionWithTraceback(RuntimeError("store"), (
+    "Traceback ...\ntorch.distributed.DistNetworkError: failed to recv, got 0 bytes"))
+MENTIONS_IT = UserExceptionWithTraceback(ValueError("bug"), (
+    "Traceback ...\n  File \"user.py\", line 3, in f\n    # Connection reset by peer is retried\nValueError: bug"))
 
 
 @pytest.mark.parametrize("error,kind", [
@@ -25,6 +34,11 @@ DEAD = WorkerHealthCheckFailedError("worker died", RayActorError())
     (group(DEAD), "node_lost"),
     (group(USER, DEAD), "node_lost"),  # survivors of a dead node fail with collective errors
     (group(RayActorError()), "node_lost"),
+    (group(GLOO_RESET), "node_lost"),  # the survivor's error came before Ray noticed its peer's death
+    (group(GLOO_RESET, STORE_LOST), "node_lost"),
+    (group(USER, GLOO_RESET), "user_error"),  # a rank's own bug; the others lost it as a peer
+    (group(MENTIONS_IT), "user_error"),  # only the exception's own line counts
+    (group(), "user_error"),
     (PreemptionError(PreemptionInfo(deadline_ms=1, preempted_node_to_ranks={"n": [1]})), "preemption"),
     (ControllerError(RuntimeError("controller bug")), "fatal"),
     (RuntimeError("anything else"), "fatal"),

@@ -179,3 +179,18 @@ def test_optuna_suggests_values_inside_the_space():
         assert 1e-4 <= config["training.learning_rate"] <= 1e-2
         assert config["training.batch_size"] in (32, 64) and config["data.num_workers"] in (0, 1, 2)
         searcher.on_trial_complete(f"t{i}", {"loss": 1.0 / (i + 1), "training_iteration": 1})
+
+
+def test_a_trial_that_reached_its_target_before_the_schedulers_stop_is_reported_finished(tmp_path):
+    """Trials report in the background while they train on: Tune's last result can be step 40 of 60
+    (ASHA's stop on its way) while the job itself finished. The row tells what the job did."""
+    from cluster.storage import open_root
+    from trainers.sweep import settle_trial_summaries
+
+    jobs = open_root(str(tmp_path))
+    jobs.write_json({"status": "succeeded", "final_step": 60, "target_step": 60, "final_loss": 0.25},
+                    "trial-raced", "summary.json")
+    rows = [{"trial": "raced", "params": {}, "status": "stopped early", "step": 40, "target_step": 60, "loss": 0.5}]
+    settle_trial_summaries(rows, {"name": "s"}, jobs)
+    assert rows[0]["status"] == "finished" and rows[0]["step"] == 60 and rows[0]["loss"] == 0.25
+    assert best_row(rows, "loss", "min")["loss"] == 0.25
