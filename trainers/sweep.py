@@ -334,19 +334,19 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
             continue
         name = trial_job_name(row["trial"])
         summary = jobs.read_json(name, "summary.json") if jobs.exists(name, "summary.json") else {}
-        if summary.get("status") == "succeeded" and row["status"] == "stopped early":
+        if not summary or summary.get("status") == "failed":
+            data = trial_spec_data(base, row["params"])
+            data["name"] = name
+            data.setdefault("checkpoint", {})["storage_root"] = jobs.uri
+            spec = validate(data)
+            metrics, path, _ = latest_metrics(job_home(spec))
+            summary = make_summary(spec, job_home(spec), metrics, path, None, row["time_s"])
+            if summary["status"] != "succeeded":  # torn down after its target: the job was done
+                summary["stopped_by"] = "sweep scheduler"
+            jobs.write_json(summary, name, "summary.json")
+        if summary["status"] == "succeeded" and row["status"] == "stopped early":
             row.update(status="finished", step=summary["final_step"], target_step=summary["target_step"],
                        loss=summary["final_loss"])  # the metric too, when it is the loss (the row's key)
-        if summary and summary.get("status") != "failed":
-            continue
-        data = trial_spec_data(base, row["params"])
-        data["name"] = name
-        data.setdefault("checkpoint", {})["storage_root"] = jobs.uri
-        spec = validate(data)
-        metrics, path, _ = latest_metrics(job_home(spec))
-        summary = make_summary(spec, job_home(spec), metrics, path, None, row["time_s"])
-        summary["stopped_by"] = "sweep scheduler"
-        jobs.write_json(summary, name, "summary.json")
 
 
 def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -107,7 +108,9 @@ def test_two_workers_train_a_data_set_far_larger_than_their_memory(ray_local, s3
         s3 = boto3.client("s3", endpoint_url=s3_server)
         s3.create_bucket(Bucket="bigdata")
         # Few, large parts: moto joins them in memory when the upload completes, which takes a while.
+        started = time.monotonic()
         s3.upload_file(str(local), "bigdata", "big.parquet", Config=TransferConfig(multipart_chunksize=256 * 2**20))
+        print(f"uploaded {size >> 20} MB to moto in {time.monotonic() - started:.0f}s")
         assert s3.head_object(Bucket="bigdata", Key="big.parquet")["ContentLength"] == local.stat().st_size
         data = "s3://bigdata/big.parquet"
     spec = validate({
@@ -117,8 +120,10 @@ def test_two_workers_train_a_data_set_far_larger_than_their_memory(ray_local, s3
         "data": {"source": data, "num_workers": 0},
         "fault_tolerance": {"max_infrastructure_failures": 0},  # a worker stopped for its memory ends the run
     })
+    started = time.monotonic()
     with WorkerMemory() as memory:
         code, summary = run_job(spec)
+    print(f"trained {summary.get('final_step')} steps from {where} in {time.monotonic() - started:.0f}s")
     peaks_mb = sorted(round(p / 2**20) for p in memory.peak.values())
     print(f"peak RSS per training worker (MB): {peaks_mb}; data {size >> 20} MB")
     assert not memory.killed, f"workers grew past {RSS_KILL >> 20} MB and were stopped; peaks (MB): {peaks_mb}"

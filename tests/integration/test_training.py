@@ -95,6 +95,7 @@ def test_guide_template_trains_from_the_command_line(tmp_path):
 def test_two_workers_learn_digits_and_stay_in_sync(ray_local, tmp_path):
     spec = digits_spec(tmp_path, "digits", max_steps=40)
     spec.checkpoint.min_interval_s = 0
+    spec.checkpoint.upload = "sync"  # every interval taken (an async one is skipped while the last is in flight)
     spec.checkpoint.num_to_keep = 2
     spec.checkpoint.keep_best_metric = "loss"
     code, summary = run_job(spec)
