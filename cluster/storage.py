@@ -40,7 +40,7 @@ def check_uri(uri: str) -> str | None:
     return None
 
 
-S3_REQUEST_TIMEOUT_S = 60.0
+S3_REQUEST_TIMEOUT_S = 15.0
 S3_CONNECT_TIMEOUT_S = 10.0
 
 
@@ -65,6 +65,7 @@ def s3_filesystem() -> pafs.S3FileSystem:
         kwargs["region"] = region
     # The AWS SDK's default gives up on a request that moves no bytes for 3 s: a busy S3-compatible
     # server (or S3 throttling a large ranged read) stalls that long, and a streamed row group was lost.
+    # 15 s keeps three tries of a just-in-time checkpoint inside a 2-minute spot notice.
     return pafs.S3FileSystem(request_timeout=S3_REQUEST_TIMEOUT_S, connect_timeout=S3_CONNECT_TIMEOUT_S, **kwargs)
 
 

@@ -32,7 +32,7 @@ from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, SpecError
 from trainers.home import JobHome, job_home
-from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, should_retry
+from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV
 from trainers.workloads import resolve
 
@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_STOPPED = 0, 1, 2, 3
 CONTROLLER_POLL_INTERVAL_S = 0.5
+# How long a failure that only lost a peer waits for Ray to declare a node dead (its health check:
+# 3 s x 5 misses by default) before it is the user's.
+PEER_LOSS_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,10 @@ def running_cluster_address() -> str | None:
 
     A Ray that was killed without `ray stop` leaves its address record behind. Joining that
     address hangs, and so do Ray's own "auto" lookups inside the local Ray started instead (Ray
-    Train's placement-group cleaner waits 12 s for the dead address at the end of every run).
-    A one-second TCP probe tells a live cluster from a stale record; a stale one is removed,
-    as `ray stop` would have done.
+    Train's placement-group cleaner waits 12 s at the end of every run). A one-second TCP probe
+    tells a live cluster from a stale record. The record is removed, as `ray stop` would have
+    done, only when it is surely dead: this user's own file, naming this machine, whose GCS
+    port refuses the connection (not a timeout: a busy or distant GCS), and unchanged meanwhile.
     """
     if os.environ.get("RAY_ADDRESS"):
         return os.environ["RAY_ADDRESS"]
@@ -109,18 +113,57 @@ def running_cluster_address() -> str | None:
         address = record.read_text().strip()
     except OSError:
         return None
-    host, _, port = address.rpartition(":")
+    host, port = split_address(address)
+    if host is None:
+        return None  # empty or being written: leave it
     try:
-        with socket.create_connection((host, int(port)), timeout=1.0):
+        with socket.create_connection((host, port), timeout=1.0):
             return address
-    except (OSError, ValueError):
-        pass
-    try:
-        record.unlink()
-        log.info("removed %s: it named %s, where no Ray answers (a Ray killed without `ray stop`)", record, address)
-    except OSError:  # another user's record: leave it
-        pass
+    except ConnectionRefusedError:
+        refused = True
+    except OSError:
+        refused = False
+    if refused and is_local_host(host) and owned_by_me(record):
+        try:
+            if record.read_text().strip() == address:
+                record.unlink()
+                log.warning("removed %s: it named %s, where no Ray answers (a Ray stopped without `ray stop`)",
+                            record, address)
+        except OSError:
+            pass
     return None
+
+
+def split_address(address: str) -> tuple[str | None, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); (None, 0) when it is neither."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None, 0
+    return host.strip("[]"), int(port)
+
+
+def is_local_host(host: str) -> bool:
+    """An address of this machine: loopback, or one of its own interfaces."""
+    import ipaddress
+
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        return host == "localhost"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))  # only an address of this machine can be bound
+        return True
+    except OSError:
+        return False
+
+
+def owned_by_me(path) -> bool:
+    try:
+        return path.stat().st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def ensure_ray(num_workers: int) -> bool:
@@ -269,6 +312,7 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
     while True:
         if not spec.train_loop:
             forget_ray_snapshot(home)
+        alive_at_start = alive_node_ids()
         try:
             trainer = build_trainer(spec, home, runtime, data_uri, stop_at_step, run_id, previous, callbacks,
                                     submitted_at)
@@ -281,6 +325,8 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
         except Exception as exc:  # boundary: decide below whether this attempt's failure is retried
             error = exc
         kind = classify_failure(error)
+        if kind == "peer_lost":  # every failed rank lost a peer: did Ray see a node of the cluster die?
+            kind = settle_peer_lost(lambda: bool(alive_at_start - alive_node_ids()), PEER_LOSS_WAIT_S)
         user_failures += kind == "user_error"
         infra_failures += kind in ("node_lost", "preemption")
         first_line = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
@@ -293,6 +339,10 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
         if kind in ("node_lost", "preemption"):
             settle_cluster_view(error, say)
         previous = kind
+
+
+def alive_node_ids() -> set[str]:
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
 
 class NodeWatch:

@@ -15,35 +15,39 @@ kept under the job's folder in storage and shown in the run summary.
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 from cluster.ray_adapter import kv_del, kv_exists, kv_get, kv_put
 
-FailureKind = Literal["preemption", "node_lost", "user_error", "fatal"]
+FailureKind = Literal["preemption", "node_lost", "peer_lost", "user_error", "fatal"]
 INTERRUPTIONS_FILE = "interruptions.json"
 HEARTBEAT_INTERVAL_S = 1.0
 
 
-# How a collective fails on the ranks that outlive a peer's process or node (gloo's TCP transport,
-# torch's store, NCCL): the last line of the rank's traceback.
-PEER_LOST_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "DistNetworkError",
-                     "NCCL communicator was aborted")
+# How torch's collectives fail on the ranks that outlive a peer's process or node: gloo's TCP
+# transport (its source file names the line) and the rendezvous store. Only torch's own wording:
+# a user's ConnectionResetError from an HTTP download must not look like a lost peer.
+PEER_LOST = re.compile(r"gloo/transport/tcp/pair\.cc:\d+\].*(Connection reset by peer|Connection closed by peer)"
+                       r"|Failed to recv, got 0 bytes")
 
 
 def peer_lost(failure: BaseException) -> bool:
-    """Whether a rank failed only because a peer went away (its own code did nothing wrong)."""
-    lines = str(failure).strip().splitlines()
-    return bool(lines) and any(marker in lines[-1] for marker in PEER_LOST_MARKERS)
+    """Whether a rank failed in a collective because a peer went away (torch's own error)."""
+    import torch.distributed as dist
+
+    return isinstance(failure, dist.DistNetworkError) or bool(PEER_LOST.search(str(failure)))
 
 
 def classify_failure(error: BaseException) -> FailureKind:
     """What a failed ``fit()`` means. A dead worker anywhere makes it infrastructure: when a
     node dies, the surviving ranks fail too, with collective errors that look like user errors.
-    Ray may not have noticed the death yet when the survivors' errors arrive (its health check
-    takes seconds, the controller polls every 0.5 s): if every failed rank only lost a peer, the
-    peer's node is gone. A user's own error on any rank makes it the user's."""
+    When every failed rank only lost a peer, Ray may not have noticed the death yet (its health
+    check takes seconds; the controller polls every 0.5 s): that is ``peer_lost``, which the
+    caller settles by asking Ray whether a node of the group died (:func:`settle_peer_lost`)."""
     from ray.exceptions import RayActorError
     from ray.train.v2.api.exceptions import PreemptionError, WorkerGroupError
 
@@ -57,9 +61,21 @@ def classify_failure(error: BaseException) -> FailureKind:
         if any(isinstance(e, infra) for e in failures):
             return "node_lost"
         if failures and all(peer_lost(e) for e in failures):
-            return "node_lost"
+            return "peer_lost"
         return "user_error"
     return "fatal"
+
+
+def settle_peer_lost(node_died: Callable[[], bool], wait_s: float, poll_s: float = 0.5) -> FailureKind:
+    """A peer vanished: a node loss if Ray reports a node of the cluster dead within ``wait_s``,
+    else the user's (a rank's own code stopped taking part): never an endless free retry."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if node_died():
+            return "node_lost"
+        if time.monotonic() >= deadline:
+            return "user_error"
+        time.sleep(poll_s)
 
 
 def should_retry(kind: FailureKind, user_failures: int, max_failures: int, infra_failures: int,

@@ -341,12 +341,18 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
             spec = validate(data)
             metrics, path, _ = latest_metrics(job_home(spec))
             summary = make_summary(spec, job_home(spec), metrics, path, None, row["time_s"])
-            if summary["status"] != "succeeded":  # torn down after its target: the job was done
-                summary["stopped_by"] = "sweep scheduler"
+            if not reached_target(summary):  # torn down after its target, the job was done
+                summary.update(status="stopped", stopped_by="sweep scheduler")
             jobs.write_json(summary, name, "summary.json")
-        if summary["status"] == "succeeded" and row["status"] == "stopped early":
+        if reached_target(summary) and row["status"] == "stopped early":
             row.update(status="finished", step=summary["final_step"], target_step=summary["target_step"],
                        loss=summary["final_loss"])  # the metric too, when it is the loss (the row's key)
+
+
+def reached_target(summary: dict) -> bool:
+    """A trial's job that got to its target step (its checkpoints say so), however it ended."""
+    final, target = summary.get("final_step"), summary.get("target_step")
+    return summary.get("status") == "succeeded" and final is not None and target is not None and final >= target
 
 
 def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, dict]:

@@ -239,7 +239,7 @@ class Trainer:
         if self.rank == 0:
             chosen, skipped = ckpt.find_restore(self.root.fs, self.run_path)
             for c in skipped:
-                self.logger.info("skipping checkpoint %s: %s", self.root.uri_of(c.path[len(self.root.base) + 1:]), c.problem)
+                self.logger.warning("skipping checkpoint %s: %s", self.root.uri_of(c.path[len(self.root.base) + 1:]), c.problem)
             choice = [chosen.path if chosen else None]
         if self.world > 1:
             dist.broadcast_object_list(choice, src=0)
@@ -252,7 +252,7 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.start, self.restored = state["step"], {"observer": state.get("observer"), "batching": state.get("batching"),
                                                     "loader": state.get("loader")}
-        self.logger.info("resumed from step %d (saved at world size %d, now %d; cursor %s)", self.start,
+        self.logger.info("resumed from step %s (saved at world size %s, now %s; cursor %s)", self.start,
                       state["world_size"], self.world, state["cursor"])
 
     def open_loader(self, step: int) -> None:

@@ -41,7 +41,8 @@ def worker_logger(rank: int, level: str | None = None) -> logging.Logger:
     handler.addFilter(RankZeroFilter(rank))
     log.addHandler(handler)
     log.propagate = False  # Ray's own handlers on the root logger would print it a second time
-    log.setLevel((level or os.environ.get(LOG_LEVEL_ENV) or "INFO").upper())
+    name = (level or os.environ.get(LOG_LEVEL_ENV) or "INFO").upper()
+    log.setLevel(name if name in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO")  # a bad value is no job failure
     return log
 
 

@@ -74,7 +74,7 @@ def test_guide_template_trains_from_the_command_line(tmp_path):
         shutil.rmtree(ray_temp, ignore_errors=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert not stale_left and "PlacementGroupCleaner" not in out, "Ray's own lookups went to the dead cluster"
+    assert not stale_left, "the record of the dead cluster is removed (Ray's own lookups would use it)"
     assert "falling back to gloo" in out and "handled by Ray's rendezvous" in out
     assert "storage /checkpoints, checkpoints /checkpoints," in out, "the first lines say where checkpoints go"
     assert "[etrain] step 6/6" in out
@@ -293,8 +293,7 @@ def test_a_stop_request_stops_its_job_only_with_a_checkpoint_and_a_rerun_resumes
     from waiting import wait_for
 
     specs = [digits_spec(tmp_path / root, "twin", max_steps=1_000_000) for root in ("a", "b")]
-    for spec in specs:
-        spec.distributed.num_workers = 1
+    specs[1].distributed.num_workers = 1  # a keeps 2 workers: its stop is a vote across ranks
     results = [{}, {}]
     runners = [threading.Thread(target=lambda s=s, r=r: r.update(zip(("code", "summary"), run_job(s))))
                for s, r in zip(specs, results)]

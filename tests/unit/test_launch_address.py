@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from cluster.ray_adapter import address_record
-from trainers.launch import running_cluster_address
+from trainers.launch import is_local_host, running_cluster_address, split_address
 
 
 @pytest.fixture
@@ -55,3 +55,33 @@ def test_ray_address_wins_and_no_record_means_a_new_local_ray(ray_temp, monkeypa
     assert running_cluster_address() is None
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
     assert running_cluster_address() == "10.0.0.5:6379"
+
+
+def test_a_record_naming_another_machine_is_kept(ray_temp):
+    """A worker node's record names the head: a head that does not answer now (restarting, a network
+    blip) is no reason to forget it."""
+    record = ray_temp / "ray_current_cluster"
+    record.write_text("192.0.2.10:6379")  # TEST-NET: nothing answers
+    assert running_cluster_address() is None
+    assert record.read_text() == "192.0.2.10:6379"
+
+
+def test_an_empty_record_being_written_is_kept(ray_temp):
+    record = ray_temp / "ray_current_cluster"
+    record.write_text("")
+    assert running_cluster_address() is None
+    assert record.exists()
+
+
+@pytest.mark.parametrize("address, parsed", [
+    ("127.0.0.1:6379", ("127.0.0.1", 6379)), ("[::1]:6379", ("::1", 6379)), ("head.internal:6380", ("head.internal", 6380)),
+    ("", (None, 0)), ("127.0.0.1", (None, 0)), ("127.0.0.1:", (None, 0)), (":6379", (None, 0)),
+])
+def test_addresses_are_split_for_v4_v6_and_names(address, parsed):
+    assert split_address(address) == parsed
+
+
+@pytest.mark.parametrize("host, local", [("127.0.0.1", True), ("::1", True), ("localhost", True),
+                                         ("192.0.2.10", False), ("head.example", False)])
+def test_only_this_machines_addresses_are_local(host, local):
+    assert is_local_host(host) is local

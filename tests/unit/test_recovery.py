@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from torch.distributed import DistNetworkError
 from ray.exceptions import RayActorError
 from ray.train.v2._internal.exceptions import UserExceptionWithTraceback, WorkerHealthCheckFailedError
 from ray.train.v2.api.preemption import PreemptionInfo
 from ray.train.v2.api.exceptions import ControllerError, PreemptionError, WorkerGroupError
 
-from trainers.recovery import Heartbeat, classify_failure, interruption_record, should_retry
+from trainers.recovery import Heartbeat, classify_failure, interruption_record, settle_peer_lost, should_retry
 
 
 def group(*errors):
@@ -18,14 +19,17 @@ def group(*errors):
 USER = UserExceptionWithTraceback(ValueError("bug"), "Traceback ... ValueError: bug")
 DEAD = WorkerHealthCheckFailedError("worker died", RayActorError())
 # What the rank that outlives a killed node got (gloo, seen in a run), before Ray saw the death.
-GLOO_RESET = UserExceptionWithTraceback(RuntimeError("gloo"), (
-    "Traceback (most recent call last):\n  File \"trainers/trainer.py\", line 370, in train_step\n"
-    "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
-    "[127.0.0.1]:61664: Connection reset by peer. This is typically caused by a remote worker hanging"))
-STORE_LOST = UserExceptionWithTraceback(RuntimeError("store"), (
-    "Traceback ...\ntorch.distributed.DistNetworkError: failed to recv, got 0 bytes"))
-MENTIONS_IT = UserExceptionWithTraceback(ValueError("bug"), (
-    "Traceback ...\n  File \"user.py\", line 3, in f\n    # Connection reset by peer is retried\nValueError: bug"))
+# Ray hands the controller the rank's own exception (poll.py unwraps UserExceptionWithTraceback).
+GLOO_RESET = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                          "[127.0.0.1]:61664: Connection reset by peer. This is typically caused by a remote worker")
+GLOO_CLOSED = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+                           "[10.0.0.7]:50211")
+STORE_LOST = RuntimeError("Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown "
+                          "or crash?")
+# A user's own network trouble, in the same words a socket uses: not a lost peer.
+USER_RESET = ConnectionResetError(104, "Connection reset by peer")
+USER_ABORTED = RuntimeError("('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer'))")
+USER_PIPE = BrokenPipeError(32, "Broken pipe")
 
 
 @pytest.mark.parametrize("error,kind", [
@@ -34,10 +38,14 @@ MENTIONS_IT = UserExceptionWithTraceback(ValueError("bug"), (
     (group(DEAD), "node_lost"),
     (group(USER, DEAD), "node_lost"),  # survivors of a dead node fail with collective errors
     (group(RayActorError()), "node_lost"),
-    (group(GLOO_RESET), "node_lost"),  # the survivor's error came before Ray noticed its peer's death
-    (group(GLOO_RESET, STORE_LOST), "node_lost"),
+    (group(GLOO_RESET), "peer_lost"),  # the survivor's error came before Ray noticed its peer's death
+    (group(GLOO_CLOSED, STORE_LOST), "peer_lost"),
+    (group(DistNetworkError("store connection lost")), "peer_lost"),
+    (group(GLOO_RESET, DEAD), "node_lost"),
     (group(USER, GLOO_RESET), "user_error"),  # a rank's own bug; the others lost it as a peer
-    (group(MENTIONS_IT), "user_error"),  # only the exception's own line counts
+    (group(USER_RESET), "user_error"),
+    (group(USER_ABORTED), "user_error"),
+    (group(USER_PIPE), "user_error"),
     (group(), "user_error"),
     (PreemptionError(PreemptionInfo(deadline_ms=1, preempted_node_to_ranks={"n": [1]})), "preemption"),
     (ControllerError(RuntimeError("controller bug")), "fatal"),
@@ -111,3 +119,11 @@ def test_the_node_watch_refreshes_the_planner_when_nodes_come_or_go(monkeypatch)
         nodes.pop()
         time.sleep(1.2)
     assert refreshed == [2], "a fixed-size job is never resized: nothing to watch"
+
+
+def test_a_lost_peer_is_a_node_loss_only_when_ray_reports_a_node_dead():
+    answers = iter([False, False, True])
+    assert settle_peer_lost(lambda: next(answers), wait_s=5, poll_s=0) == "node_lost"
+    checks = []
+    assert settle_peer_lost(lambda: checks.append(1) or False, wait_s=0.05, poll_s=0.01) == "user_error"
+    assert len(checks) >= 2, "it asked Ray more than once before charging the user"

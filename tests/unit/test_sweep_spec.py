@@ -194,3 +194,20 @@ def test_a_trial_that_reached_its_target_before_the_schedulers_stop_is_reported_
     settle_trial_summaries(rows, {"name": "s"}, jobs)
     assert rows[0]["status"] == "finished" and rows[0]["step"] == 60 and rows[0]["loss"] == 0.25
     assert best_row(rows, "loss", "min")["loss"] == 0.25
+
+
+def test_a_trial_torn_down_without_a_checkpoint_or_before_its_target_is_not_finished(tmp_path):
+    from cluster.storage import open_root
+    from trainers.sweep import reached_target, settle_trial_summaries
+
+    jobs = open_root(str(tmp_path))
+    jobs.write_json({"status": "succeeded", "final_step": None, "target_step": None, "final_loss": None},
+                    "trial-empty", "summary.json")
+    jobs.write_json({"status": "stopped", "final_step": 40, "target_step": 60, "final_loss": 0.5},
+                    "trial-cut", "summary.json")
+    rows = [{"trial": t, "params": {}, "status": "stopped early", "step": 40, "target_step": 60, "loss": 0.5}
+            for t in ("empty", "cut")]
+    settle_trial_summaries(rows, {"name": "s"}, jobs)
+    assert [r["status"] for r in rows] == ["stopped early", "stopped early"]
+    assert not reached_target({"status": "succeeded", "final_step": None, "target_step": 60})
+    assert reached_target({"status": "succeeded", "final_step": 60, "target_step": 60})
