@@ -346,7 +346,8 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
             jobs.write_json(summary, name, "summary.json")
         if reached_target(summary) and row["status"] == "stopped early":
             row.update(status="finished", step=summary["final_step"], target_step=summary["target_step"],
-                       loss=summary["final_loss"])  # the metric too, when it is the loss (the row's key)
+                       loss=summary["final_loss"],  # the metric too, when it is the loss (the row's key)
+                       scheduler_stop="came after the job reached its target")
 
 
 def reached_target(summary: dict) -> bool:

@@ -29,10 +29,13 @@ def test_asha_sweep_over_batch_lr_and_loader_workers(ray_local, tmp_path):
     assert len(trials) == 6 and all(t["status"] in ("finished", "stopped early") for t in trials)
     assert {t["params"]["training.batch_size"] for t in trials} > {64}  # the space was really searched
     assert len({t["params"]["data.num_workers"] for t in trials}) > 1
-    stopped = [t for t in trials if t["status"] == "stopped early"]
-    assert stopped, "ASHA stopped no trial early"
-    finished_reports = max(t["reports"] for t in trials if t["status"] == "finished")
-    assert all(t["step"] < t["target_step"] and t["reports"] < finished_reports for t in stopped)
+    # ASHA stops laggards; a trial of a second may reach its target before the stop arrives (its
+    # row then says finished, and that the stop came after).
+    stopped = [t for t in trials if t["status"] == "stopped early" or t.get("scheduler_stop")]
+    assert stopped, "ASHA stopped no trial"
+    finished_reports = max(t["reports"] for t in trials if t["status"] == "finished" and not t.get("scheduler_stop"))
+    assert all(t["reports"] < finished_reports for t in stopped)
+    assert all(t["step"] < t["target_step"] for t in trials if t["status"] == "stopped early")
     best = report["best"]
     assert best["loss"] == min(t["loss"] for t in trials)
     # The best trial's job spec is ready to run, with the best values and the user's storage.

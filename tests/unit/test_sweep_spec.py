@@ -193,6 +193,7 @@ def test_a_trial_that_reached_its_target_before_the_schedulers_stop_is_reported_
     rows = [{"trial": "raced", "params": {}, "status": "stopped early", "step": 40, "target_step": 60, "loss": 0.5}]
     settle_trial_summaries(rows, {"name": "s"}, jobs)
     assert rows[0]["status"] == "finished" and rows[0]["step"] == 60 and rows[0]["loss"] == 0.25
+    assert rows[0]["scheduler_stop"] == "came after the job reached its target"
     assert best_row(rows, "loss", "min")["loss"] == 0.25
 
 
