@@ -81,7 +81,7 @@ def run(script: str, args: list[str]) -> tuple[dict[str, float], str, float]:
         return {}, f"{script} failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}", took
     figures = {}
     for line in out.stdout.splitlines():
-        m = re.match(r"^([a-z0-9][a-z0-9 ./()\-]*?): (-?[0-9.]+|inf)(?:\s.*)?$", line.strip())
+        m = re.match(r"^([a-z0-9][a-zA-Z0-9 ./()\-]*?): (-?[0-9.]+|inf)(?:\s.*)?$", line.strip())
         if m:
             figures[m.group(1)] = float(m.group(2))
     return figures, "", took

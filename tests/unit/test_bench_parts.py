@@ -36,14 +36,16 @@ def test_figures_are_read_from_name_value_lines(tmp_path, monkeypatch):
     run_all = load("run_all")
     script = tmp_path / "fake.py"
     script.write_text("print('[bench] noise: 12')\nprint('submit p50 with 16 clients: 12.5 ms (ray jobs direct 3.1 ms)')"
-                      "\nprint('throughput ratio: 0.981')\nprint('asha time to fifo best ratio: inf')\n")
+                      "\nprint('throughput ratio: 0.981')\nprint('asha time to fifo best ratio: inf')"
+                      "\nprint('streaming batches/s from moto S3 with 2 workers: 812')\n")
     monkeypatch.setattr(run_all, "REPO", tmp_path.parent)
     (tmp_path.parent / "bench").mkdir(exist_ok=True)
     (tmp_path.parent / "bench" / "fake.py").write_text(script.read_text())
     figures, failure, _ = run_all.run("fake.py", [])
     assert not failure
     assert figures == {"submit p50 with 16 clients": 12.5, "throughput ratio": 0.981,
-                       "asha time to fifo best ratio": float("inf")}
+                       "asha time to fifo best ratio": float("inf"),
+                       "streaming batches/s from moto S3 with 2 workers": 812.0}  # a capital in the name
 
 
 def test_gpu_script_refuses_without_a_gpu_and_says_how():
