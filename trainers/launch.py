@@ -341,8 +341,8 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
         previous = kind
 
 
-def alive_node_ids() -> set[str]:
-    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+def alive_node_ids() -> frozenset[str]:
+    return frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"])
 
 
 class NodeWatch:
@@ -356,16 +356,11 @@ class NodeWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    @staticmethod
-    def live_nodes() -> frozenset[str]:
-        return frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"])
-
     def _run(self) -> None:
-
-        seen = self.live_nodes()
+        seen = alive_node_ids()
         while not self._stop.wait(self.interval_s):
             try:
-                now = self.live_nodes()
+                now = alive_node_ids()
                 if now != seen:
                     ray_adapter.refresh_cluster_view()
                     seen = now
@@ -389,7 +384,6 @@ def settle_cluster_view(error: BaseException, say, gone_timeout_s: float = 60.0)
     node list, then make Ray Train's planner read the list now. Otherwise the restart is planned
     for the drained node and waits out fault_tolerance.worker_start_timeout_s (bench/preemption.py)."""
     from ray.train.v2.api.exceptions import PreemptionError
-
 
     leaving = set(error.preemption_info.preempted_node_ids) if isinstance(error, PreemptionError) else set()
     deadline = time.monotonic() + gone_timeout_s

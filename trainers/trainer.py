@@ -239,7 +239,8 @@ class Trainer:
         if self.rank == 0:
             chosen, skipped = ckpt.find_restore(self.root.fs, self.run_path)
             for c in skipped:
-                self.logger.warning("skipping checkpoint %s: %s", self.root.uri_of(c.path[len(self.root.base) + 1:]), c.problem)
+                self.logger.warning("skipping checkpoint %s: %s", self.root.uri_of(c.path[len(self.root.base) + 1:]),
+                                    c.problem)
             choice = [chosen.path if chosen else None]
         if self.world > 1:
             dist.broadcast_object_list(choice, src=0)
@@ -253,7 +254,7 @@ class Trainer:
         self.start, self.restored = state["step"], {"observer": state.get("observer"), "batching": state.get("batching"),
                                                     "loader": state.get("loader")}
         self.logger.info("resumed from step %s (saved at world size %s, now %s; cursor %s)", self.start,
-                      state["world_size"], self.world, state["cursor"])
+                         state["world_size"], self.world, state["cursor"])
 
     def open_loader(self, step: int) -> None:
         b, data = self.batching, self.spec.data
@@ -292,8 +293,8 @@ class Trainer:
         self.start_services()
         t, b = self.spec.training, self.batching
         self.logger.info(f"{self.spec.name}: world size {self.world}, global batch {t.batch_size} = {b.per_worker}/worker "
-                 f"(micro-batch {b.micro} x {b.accum} accumulation{', dynamic by tokens' if b.max_tokens else ''}); "
-                 f"steps {self.start} -> {self.stop} of {self.target}, {self.plan.steps_per_epoch} per epoch")
+                         f"(micro-batch {b.micro} x {b.accum} accumulation{', dynamic by tokens' if b.max_tokens else ''}); "
+                         f"steps {self.start} -> {self.stop} of {self.target}, {self.plan.steps_per_epoch} per epoch")
         preempt_every = self.spec.checkpoint.preemption_check_steps
         self.clock = Clock(time.perf_counter())
         self.model.train()
@@ -407,7 +408,7 @@ class Trainer:
         micro, accum, tokens = split
         b.reductions.append({"step": step, "from": b.micro, "to": micro})
         self.logger.info(f"out of memory at step {step} with micro-batch {b.micro}: now micro-batch {micro} x {accum} "
-                      f"accumulation{f', {tokens} tokens' if tokens else ''} (same global batch), kept for the rest of the run")
+                         f"accumulation{f', {tokens} tokens' if tokens else ''} (same global batch), kept for the rest of the run")
         b.micro, b.max_tokens, b.steps_at_split = micro, tokens, 0
         self.open_loader(step)
 
@@ -449,7 +450,7 @@ class Trainer:
         self.observer.log_step(metrics, elapsed)
         eta = (self.target - done) / max(1e-9, (done - self.start) / (now - clock.run_start))
         self.logger.info(progress_text(done, self.target, metrics["loss"], metrics["learning_rate"], metrics["samples_per_s"],
-                               metrics["tokens_per_s"], eta))
+                                       metrics["tokens_per_s"], eta))
         return metrics
 
     def save(self, done: int, kind: Kind, metrics: dict) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from processes import stop_all
 
 from cluster.twin import local_twin
 
@@ -41,19 +42,6 @@ def pids_running_from(folder: Path) -> set[int]:
     lives in the node's own environment under the test's temporary folder."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     return {int(line.split()[0]) for line in out.splitlines() if str(folder) in line}
-
-
-def stop_pids(pids: set[int], grace_s: float = 2.0) -> None:
-    """TERM, then KILL what is still running after ``grace_s``."""
-    for sig in (15, 9):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while (pids := {p for p in pids if Path(f"/proc/{p}").exists()}) and time.monotonic() < deadline:
-            time.sleep(0.1)
 
 
 def baked_node_env(env_dir: Path) -> None:
@@ -162,6 +150,6 @@ def test_ray_up_then_job_submit_then_ray_down(sshd, tmp_path):
             down = subprocess.run([ray, "down", "-y", str(config)], capture_output=True, text=True, env=env,
                                   timeout=300)
         finally:
-            stop_pids(pids_running_from(node_dir))  # `ray down` leaves the head's Ray running (local provider)
+            stop_all(lambda: pids_running_from(node_dir))  # `ray down` leaves the head's Ray running (local provider)
     assert down.returncode == 0, down.stdout + down.stderr
     assert not pids_running_from(node_dir), "every process the test started is stopped"
