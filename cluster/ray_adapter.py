@@ -15,6 +15,11 @@
   (Ray Train's placement-group cleaner) then query the dead address until they time out.
 - The driver's printer of worker output and its autoscaler-event filter: `etrain run` routes
   forwarded worker lines through its own console instead of Ray's printer.
+- Ray Train's default callbacks: a trainer given no Ray Dataset still starts an actor to
+  hand out dataset shards (one more process, ~1.5 CPU-s, at every start and restart);
+  :func:`torch_trainer` leaves that callback out when there are no datasets.
+- The GCS port of a local start (``RAY_GCS_SERVER_PORT``, read by ``ray._private.node``): a
+  local Ray tells its own processes where it is (:func:`init_local_ray`).
 
 It lives in cluster/, the lowest layer, so trainers/ and cluster/ share it; nothing else in
 the project may import ``ray._private``, ``ray._raylet``, ``ray.experimental.internal_kv``
@@ -25,10 +30,13 @@ tests/unit/test_ray_adapter.py fails loudly when Ray moves or changes any of the
 from __future__ import annotations
 
 import inspect
+import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 
+GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # ray._private.ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE
 REFRESH_REQUESTER = "etrain-refresh"  # owns no request: asking for its reservation only ticks the actor
 
 
@@ -144,3 +152,66 @@ def local_preemption_info():
     from ray.train.v2._internal.execution.context import get_train_context
 
     return get_train_context().preemption_context.preemption_info
+
+
+def init_local_ray(host: str = "127.0.0.1", **init_kwargs) -> str:
+    """Start a local Ray (``ray.init(address="local")``) whose every process knows its address.
+
+    Ray's lookups inside a cluster that are given no address (Ray Train's placement-group
+    cleaner asking the state API about its controller) read RAY_ADDRESS, else the record `ray
+    start` leaves, else any GCS process on this machine. A local start sets none of them: with a
+    second Ray on the machine (a user's own, another job's) the cleaner's thread dies on "Found
+    multiple active Ray instances", and a record naming the other Ray has it ask that one about
+    our controller, find nothing, and remove our live run's placement group. Ray takes no GCS
+    port for a local start but reads ``RAY_GCS_SERVER_PORT`` when it starts a head, and its
+    processes inherit this process's environment as they start: with both set around ray.init,
+    each of them is pinned to this cluster. This process's own environment is restored after,
+    so what it starts later chooses for itself. Returns the GCS address.
+    """
+    import ray
+
+    with socket.socket() as s:  # a free port; the GCS binds it a moment later
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    address = f"{host}:{port}"
+    pinned = {GCS_PORT_ENV: str(port), "RAY_ADDRESS": address}
+    saved = {k: os.environ.get(k) for k in pinned}
+    os.environ.update(pinned)
+    try:
+        ray.init(address="local", _node_ip_address=host, **init_kwargs)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    started = ray.get_runtime_context().gcs_address
+    if started != address:
+        ray.shutdown()
+        raise RuntimeError(f"Ray started its GCS at {started}, not at {address} ({GCS_PORT_ENV} ignored): "
+                           "cluster/ray_adapter.py needs another way to give a local Ray's processes its address")
+    return address
+
+
+def _datasets_callback_class():
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+    return DatasetsCallback
+
+
+def torch_trainer(*args, **kwargs):
+    """A ``ray.train.torch.TorchTrainer`` that starts no dataset-shard actor when it has no
+    datasets (ours read their data in the loop): each start and restart of a job spawns one
+    process fewer. Ray Train builds its callbacks in ``_create_default_callbacks``."""
+    from ray.train.torch import TorchTrainer
+
+    datasets_callback = _datasets_callback_class()
+
+    class LeanTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [c for c in callbacks if not isinstance(c, datasets_callback)]
+
+    return LeanTorchTrainer(*args, **kwargs)

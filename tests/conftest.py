@@ -86,18 +86,16 @@ def s3_server():
 
 
 def start_local_ray():
-    import ray
-
+    from cluster.ray_adapter import init_local_ray
     from trainers.launch import running_cluster_address
 
     running_cluster_address()  # removes a record left by a killed Ray, which Ray's own lookups would use
-
-    ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
-             configure_logging=True, logging_level="WARNING",
-             # Workers hand custom metrics to the node's agent every second (10 s by default), so a
-             # short test run shows up in Prometheus.
-             _system_config={"metrics_report_interval_ms": 1000},
-             runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
+    init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+                   configure_logging=True, logging_level="WARNING",
+                   # Workers hand custom metrics to the node's agent every second (10 s by default), so a
+                   # short test run shows up in Prometheus.
+                   _system_config={"metrics_report_interval_ms": 1000},
+                   runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
 
 
 @pytest.fixture(scope="module")

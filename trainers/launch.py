@@ -179,8 +179,8 @@ def ensure_ray(num_workers: int) -> bool:
         return False
     num_cpus = max(os.cpu_count() or 1, num_workers + 2)
     # The dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls.
-    ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=True,
-             dashboard_host="127.0.0.1", configure_logging=True, logging_level="WARNING")
+    ray_adapter.init_local_ray(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                               configure_logging=True, logging_level="WARNING")
     return True
 
 
@@ -203,7 +203,7 @@ def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
         from trainers.workloads.custom import load_ref
 
         loop = load_ref(spec.train_loop)
-    return TorchTrainer(
+    return ray_adapter.torch_trainer(
         loop,
         train_loop_config={
             "spec": spec.model_dump(mode="json"), "data_uri": data_uri, "storage_uri": home.root.uri,

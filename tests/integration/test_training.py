@@ -46,10 +46,11 @@ def raylet_pids() -> set[int]:
     return {int(line.split()[0]) for line in out.splitlines() if "raylet" in line and "grep" not in line}
 
 
-def test_guide_template_trains_from_the_command_line(tmp_path):
+def test_guide_template_trains_from_the_command_line(ray_local, tmp_path):
     """The guide's template as is (only max_steps set): its checkpoints and summary land in the
     absolute directory it names. /checkpoints is this test's own folder, bind-mounted there in
-    a private mount namespace, as a shared volume would be on a cluster."""
+    a private mount namespace, as a shared volume would be on a cluster. Another Ray (the
+    test's) runs on the machine: the local Ray the command starts keeps to itself."""
     before = raylet_pids()
     volume, root = tmp_path / "volume", tmp_path / "root"
     volume.mkdir()
@@ -70,11 +71,14 @@ def test_guide_template_trains_from_the_command_line(tmp_path):
              '--set training.max_steps=6', str(volume), sys.executable],
             capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
         stale_left = stale.exists()
+        confused = [str(f) for f in ray_temp.glob("ray/session_*/logs/*") if f.is_file()
+                    and "Found multiple active Ray instances" in f.read_text(errors="replace")]
     finally:
         shutil.rmtree(ray_temp, ignore_errors=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert not stale_left, "the record of the dead cluster is removed (Ray's own lookups would use it)"
+    assert confused == [], "Ray's own lookups in the local Ray (the placement-group cleaner) found two clusters"
     assert "falling back to gloo" in out and "handled by Ray's rendezvous" in out
     assert "storage /checkpoints, checkpoints /checkpoints," in out, "the first lines say where checkpoints go"
     assert "[etrain] step 6/6" in out

@@ -109,3 +109,28 @@ def test_the_local_preemption_notice_is_what_get_preemption_info_agrees_on():
     assert PreemptionContext().preemption_info is None
     assert "_train_context" in vars(context) and "global _train_context" in inspect.getsource(context.set_train_context)
     assert "preemption_context" in inspect.getsource(ray_adapter.local_preemption_info)
+
+
+def test_a_trainer_without_datasets_leaves_out_only_the_dataset_shard_callback():
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    def names(trainer) -> list[str]:
+        return [type(c).__name__ for c in trainer._create_default_callbacks()]
+
+    stock = names(TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1)))
+    assert "DatasetsCallback" in stock, "Ray no longer adds it without datasets: drop torch_trainer from the adapter"
+    lean = names(ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1)))
+    assert lean == [n for n in stock if n != "DatasetsCallback"]
+    import ray.data
+
+    with_data = ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                                          datasets={"train": ray.data.range(1, override_num_blocks=1)})
+    assert names(with_data).count("DatasetsCallback") == 1
+
+
+def test_a_head_started_here_still_reads_its_gcs_port_from_the_environment():
+    from ray._private import node, ray_constants
+
+    assert ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE == ray_adapter.GCS_PORT_ENV
+    assert "os.getenv(ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE)" in inspect.getsource(node.Node.__init__)
