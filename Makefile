@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/etrain demo
 
-# The whole suite: unit (no Ray), integration (a local Ray), e2e.
+# The whole suite: unit (no Ray), integration (a local Ray), e2e. The rehearsed cloud runs beside
+# the rest (tests/lanes.py); `$(PYTEST) tests --ignore=tests/gpu` runs all of it in one lane.
 test: $(STAMP)
-	$(PYTEST) tests -q --durations=15 --ignore=tests/gpu
+	$(PY) tests/lanes.py -q --durations=15
 
 # The fast tier for your own loop: no Ray is started, under a minute.
 test-fast: $(STAMP)

@@ -56,6 +56,9 @@ def ray_address_record_kept(request):
             record.unlink(missing_ok=True)
         else:
             record.write_text(before)
+            from trainers.launch import running_cluster_address
+
+            running_cluster_address()  # and gone if its Ray stopped meanwhile (a multi-node test stops the shared one)
 
 
 @pytest.fixture
@@ -86,16 +89,24 @@ def s3_server():
 
 
 def start_local_ray():
-    from cluster.ray_adapter import init_local_ray
+    """The tests' shared Ray, as `ray start` would leave it: its address on record.
+
+    With another Ray on the machine (the rehearsal's cloud runs beside the other tests), Ray's
+    own "auto" lookups pick the recorded cluster; without a record, any. Ray Jobs' supervisor
+    resolves "auto" that way for each job's driver, so the service tests' jobs need it.
+    """
+    from cluster.ray_adapter import address_record, init_local_ray
     from trainers.launch import running_cluster_address
 
     running_cluster_address()  # removes a record left by a killed Ray, which Ray's own lookups would use
-    init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-                   configure_logging=True, logging_level="WARNING",
-                   # Workers hand custom metrics to the node's agent every second (10 s by default), so a
-                   # short test run shows up in Prometheus.
-                   _system_config={"metrics_report_interval_ms": 1000},
-                   runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
+    address = init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+                             configure_logging=True, logging_level="WARNING",
+                             # Workers hand custom metrics to the node's agent every second (10 s by
+                             # default), so a short test run shows up in Prometheus.
+                             _system_config={"metrics_report_interval_ms": 1000},
+                             runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
+    address_record().parent.mkdir(parents=True, exist_ok=True)
+    address_record().write_text(address)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +128,13 @@ def pytest_sessionfinish(session, exitstatus):
 
     ray = _sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
+        address = ray.get_runtime_context().gcs_address
         ray.shutdown()
+        from cluster.ray_adapter import address_record
+
+        record = address_record()
+        if record.exists() and record.read_text().strip() == address:
+            record.unlink()  # as `ray stop` would: it names the Ray just stopped
 
 
 @pytest.fixture
@@ -139,3 +156,25 @@ def multi_node():
     yield cluster, nodes
     ray.shutdown()
     cluster.shutdown()
+
+
+# Modules in the order that starts the shared local Ray once: those that bring up Rays of their own
+# (and stop the shared one) first, then every module on the shared Ray. The unit tier leads: it fails
+# fastest. A module not named here runs last, in pytest's order.
+MODULE_ORDER = [
+    "tests/unit/",
+    "tests/e2e/test_ray_up.py", "tests/integration/test_spot_fallback.py", "tests/integration/test_code_tenant.py",
+    "tests/e2e/test_chaos.py", "tests/integration/test_elastic.py", "tests/integration/test_spot_elastic.py",
+    "tests/integration/test_console.py", "tests/integration/test_data_scale.py", "tests/integration/test_job_page.py",
+    "tests/integration/test_loss_golden.py", "tests/integration/test_observability.py",
+    "tests/integration/test_security.py", "tests/integration/test_service.py", "tests/integration/test_sweep.py",
+    "tests/integration/test_training.py",
+]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item) -> int:
+        path = Path(str(item.fspath)).relative_to(REPO).as_posix()
+        return next((i for i, prefix in enumerate(MODULE_ORDER) if path.startswith(prefix)), len(MODULE_ORDER))
+
+    items.sort(key=rank)  # stable: pytest's order within a module stays

@@ -1,0 +1,54 @@
+"""Run the whole suite as two lanes at once: the rehearsed cloud beside everything else.
+
+The rehearsal (tests/e2e/test_rehearsal.py) spends most of its ~4 minutes waiting on its cloud:
+`ray up`, a spot notice's deadline, Ray noticing a cut node. Its nodes live in network
+namespaces, as other Unix users with their own homes and Ray temp dirs, so it shares nothing
+with the other tests but the CPUs; it runs beside them instead of after them. Its output is
+kept in a file and printed when both lanes are done. The exit status is the first non-zero
+of the two lanes'.
+
+    python tests/lanes.py [pytest args for the main lane...]
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BESIDE = "tests/e2e/test_rehearsal.py"
+
+
+def main(argv: list[str]) -> int:
+    pytest = [sys.executable, "-m", "pytest"]
+    log = Path(tempfile.mkstemp(prefix="etrain-rehearsal-lane-", suffix=".log")[1])
+    started = time.monotonic()
+    with log.open("w") as out:
+        beside = subprocess.Popen([*pytest, BESIDE, "-q", "-p", "no:cacheprovider", "--durations=5"], cwd=REPO,
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    main_lane = subprocess.Popen([*pytest, "tests", "--ignore=tests/gpu", f"--ignore={BESIDE}", *argv], cwd=REPO,
+                                 start_new_session=True)
+    try:
+        main_code = main_lane.wait()
+        beside_code = beside.wait()
+    except KeyboardInterrupt:
+        for proc in (main_lane, beside):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)  # pytest's own Ctrl-C: each lane's fixtures clean up
+        main_lane.wait()
+        beside.wait()
+        raise
+    print(f"\n---- {BESIDE} (ran beside the tests above; its log: {log})")
+    print(log.read_text()[-20000:])
+    print(f"---- both lanes done in {time.monotonic() - started:.0f} s: main exit {main_code}, "
+          f"rehearsal exit {beside_code}")
+    return main_code or beside_code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
