@@ -61,6 +61,18 @@ def ray_address_record_kept(request):
             running_cluster_address()  # and gone if its Ray stopped meanwhile (a multi-node test stops the shared one)
 
 
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_ray(request):
+    """The unit tier runs without Ray (make test-fast); a test that starts one (a Ray Data call
+    does so by itself) would also hand the next module a Ray without the tests' settings."""
+    yield
+    if Path(str(request.node.fspath)).relative_to(REPO).as_posix().startswith("tests/unit/"):
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+            pytest.fail("this unit test started Ray: the unit tier must not (use a fake, or move it to integration)")
+
+
 @pytest.fixture
 def storage(tmp_path: Path) -> Path:
     root = tmp_path / "storage"

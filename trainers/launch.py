@@ -245,6 +245,15 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
     started = time.time()
     root = preflight(spec)
     home = job_home(spec)
+    if not callbacks and not spec.train_loop and stop_at_step is None and spec.training.max_steps:
+        metrics, checkpoint_uri, _ = latest_metrics(home)
+        if reached_max_steps(metrics, spec.training.max_steps):
+            say(f"[etrain] job {spec.name!r} is done: its newest verified checkpoint is at step {metrics['step']}, "
+                f"its target (raise training.max_steps to train on): {checkpoint_uri}")
+            summary = make_summary(spec, home, metrics, checkpoint_uri, None, time.time() - started)
+            summary["interruptions"] = []
+            home.root.write_json(summary, home.job, "summary.json")
+            return EXIT_OK, summary
     started_ray = ensure_ray(spec.distributed.max_workers)
     run_id = uuid.uuid4().hex[:12]
     stop_flag = StopFlag(home.key)
@@ -273,6 +282,13 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
     if summary["status"] == "succeeded":
         return EXIT_OK, summary
     return (EXIT_STOPPED if summary["status"] == "stopped" else EXIT_FAILED), summary
+
+
+def reached_max_steps(metrics: dict, max_steps: int) -> bool:
+    """Whether a job's newest verified checkpoint (its manifest's metrics) is at its target
+    ``max_steps``: then a rerun has nothing to train, and starts no workers. (A target in
+    epochs needs the data to count its steps: such a job goes through the loop, which stops at once.)"""
+    return metrics.get("step") is not None and metrics.get("target_step") == max_steps <= metrics["step"]
 
 
 JOB_FILE = "job.json"

@@ -9,7 +9,7 @@ import pytest
 from cluster.storage import check_uri, open_root
 from trainers.config import SpecError, validate
 from trainers.home import job_home
-from trainers.launch import resolve_runtime
+from trainers.launch import reached_max_steps, resolve_runtime
 from trainers.trainer import lr_factor, step_seed
 
 
@@ -108,3 +108,15 @@ def test_missing_user_data_is_refused_before_ray(tmp_path):
     with pytest.raises(SpecError) as info:
         preflight(spec)
     assert info.value.problems[0].startswith(f"data.source: '{tmp_path}/train.parquet': not found")
+
+
+@pytest.mark.parametrize("metrics,max_steps,done", [
+    ({"step": 12, "target_step": 12}, 12, True),
+    ({"step": 12, "target_step": 12}, 20, False),  # max_steps raised: train on
+    ({"step": 6, "target_step": 12}, 12, False),  # stopped early
+    ({"step": 30, "target_step": 30}, 12, False),  # lowered: the loop decides (it checkpoints where it is)
+    ({}, 12, False),  # no verified checkpoint
+    ({"step": 12}, 12, False),  # a manifest without a target (an older format): run the loop
+])
+def test_a_rerun_starts_no_workers_only_when_the_newest_checkpoint_is_at_max_steps(metrics, max_steps, done):
+    assert reached_max_steps(metrics, max_steps) is done
