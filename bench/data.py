@@ -110,8 +110,14 @@ def main() -> None:
     ratio = {w: statistics.median(r) for w, r in ratios.items()}
     settle_s, settle_steps = max(settle)
 
-    # Streaming: many row groups, local disk and moto S3.
+    # Streaming: many row groups, local disk and moto S3 (reading only the bytes a range asks for,
+    # as S3 does: moto itself copies the whole object for each ranged GET).
     from moto.server import ThreadedMotoServer
+
+    sys.path.insert(0, str(REPO / "tests" / "fixtures"))
+    from moto_ranges import serve_ranges_lazily
+
+    serve_ranges_lazily()
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)

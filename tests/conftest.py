@@ -83,7 +83,9 @@ def storage(tmp_path: Path) -> Path:
 def s3_server():
     """A moto S3 server on loopback; AWS settings point at it for this process and its Ray."""
     from moto.server import ThreadedMotoServer
+    from moto_ranges import serve_ranges_lazily
 
+    serve_ranges_lazily()  # a ranged GET reads only its range (moto copies the whole object twice)
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()

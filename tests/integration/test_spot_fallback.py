@@ -79,6 +79,9 @@ def fake_cloud(tmp_path):
         [str(BIN / "ray"), "start", "--head", "--block", f"--port={gcs_port}", "--node-ip-address=127.0.0.1",
          "--num-cpus=2", "--resources={\"head\": 1}", f"--autoscaling-config={config}", "--dashboard-host=127.0.0.1",
          f"--dashboard-port={dash_port}", "--ray-client-server-port", str(free_port()),
+         # Its own agent ports: Ray's defaults may still be held by a Ray another test just stopped.
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
          # its own temp dir: `ray start` records its address in <temp>/ray/ray_current_cluster,
          # and /tmp/ray's is what other Rays on this machine (and `etrain run`) look up
          f"--temp-dir={temp}"],
