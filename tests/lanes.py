@@ -4,8 +4,11 @@ The rehearsal (tests/e2e/test_rehearsal.py) spends most of its ~4 minutes waitin
 `ray up`, a spot notice's deadline, Ray noticing a cut node. Its nodes live in network
 namespaces, as other Unix users with their own homes and Ray temp dirs, so it shares nothing
 with the other tests but the CPUs; it runs beside them instead of after them. Its output is
-kept in a file and printed when both lanes are done. The exit status is the first non-zero
-of the two lanes'.
+kept in a file and printed when both lanes are done.
+
+The code tenant's test runs alone afterwards: its attacker job joins every Ray it sees on the
+machine (it found the rehearsal's and failed there), and must find only its own test's.
+The exit status is the first non-zero of the three runs'.
 
     python tests/lanes.py [pytest args for the main lane...]
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BESIDE = "tests/e2e/test_rehearsal.py"
+ALONE = "tests/integration/test_code_tenant.py"
 
 
 def main(argv: list[str]) -> int:
@@ -31,8 +35,8 @@ def main(argv: list[str]) -> int:
     with log.open("w") as out:
         beside = subprocess.Popen([*pytest, BESIDE, "-q", "-p", "no:cacheprovider", "--durations=5"], cwd=REPO,
                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    main_lane = subprocess.Popen([*pytest, "tests", "--ignore=tests/gpu", f"--ignore={BESIDE}", *argv], cwd=REPO,
-                                 start_new_session=True)
+    main_lane = subprocess.Popen([*pytest, "tests", "--ignore=tests/gpu", f"--ignore={BESIDE}", f"--ignore={ALONE}",
+                                  *argv], cwd=REPO, start_new_session=True)
     try:
         main_code = main_lane.wait()
         beside_code = beside.wait()
@@ -45,9 +49,17 @@ def main(argv: list[str]) -> int:
         raise
     print(f"\n---- {BESIDE} (ran beside the tests above; its log: {log})")
     print(log.read_text()[-20000:])
-    print(f"---- both lanes done in {time.monotonic() - started:.0f} s: main exit {main_code}, "
-          f"rehearsal exit {beside_code}")
-    return main_code or beside_code
+    print(f"---- {ALONE}, alone on the machine")
+    alone = subprocess.Popen([*pytest, ALONE, *argv], cwd=REPO, start_new_session=True)
+    try:
+        alone_code = alone.wait()
+    except KeyboardInterrupt:
+        os.killpg(alone.pid, signal.SIGINT)
+        alone.wait()
+        raise
+    print(f"---- all done in {time.monotonic() - started:.0f} s: main exit {main_code}, rehearsal exit {beside_code}, "
+          f"code tenant exit {alone_code}")
+    return main_code or beside_code or alone_code
 
 
 if __name__ == "__main__":
