@@ -28,6 +28,19 @@ BESIDE = "tests/e2e/test_rehearsal.py"
 ALONE = "tests/integration/test_code_tenant.py"
 
 
+def wait(*procs: subprocess.Popen) -> list[int]:
+    """Their exit codes; on Ctrl-C each gets pytest's own interrupt (its fixtures clean up) first."""
+    try:
+        return [proc.wait() for proc in procs]
+    except KeyboardInterrupt:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+        for proc in procs:
+            proc.wait()
+        raise
+
+
 def main(argv: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest"]
     log = Path(tempfile.mkstemp(prefix="etrain-rehearsal-lane-", suffix=".log")[1])
@@ -37,26 +50,11 @@ def main(argv: list[str]) -> int:
                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     main_lane = subprocess.Popen([*pytest, "tests", "--ignore=tests/gpu", f"--ignore={BESIDE}", f"--ignore={ALONE}",
                                   *argv], cwd=REPO, start_new_session=True)
-    try:
-        main_code = main_lane.wait()
-        beside_code = beside.wait()
-    except KeyboardInterrupt:
-        for proc in (main_lane, beside):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)  # pytest's own Ctrl-C: each lane's fixtures clean up
-        main_lane.wait()
-        beside.wait()
-        raise
+    main_code, beside_code = wait(main_lane, beside)
     print(f"\n---- {BESIDE} (ran beside the tests above; its log: {log})")
     print(log.read_text()[-20000:])
     print(f"---- {ALONE}, alone on the machine")
-    alone = subprocess.Popen([*pytest, ALONE, *argv], cwd=REPO, start_new_session=True)
-    try:
-        alone_code = alone.wait()
-    except KeyboardInterrupt:
-        os.killpg(alone.pid, signal.SIGINT)
-        alone.wait()
-        raise
+    (alone_code,) = wait(subprocess.Popen([*pytest, ALONE, *argv], cwd=REPO, start_new_session=True))
     print(f"---- all done in {time.monotonic() - started:.0f} s: main exit {main_code}, rehearsal exit {beside_code}, "
           f"code tenant exit {alone_code}")
     return main_code or beside_code or alone_code

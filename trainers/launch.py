@@ -250,10 +250,7 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
         if reached_max_steps(metrics, spec.training.max_steps):
             say(f"[etrain] job {spec.name!r} is done: its newest verified checkpoint is at step {metrics['step']}, "
                 f"its target (raise training.max_steps to train on): {checkpoint_uri}")
-            summary = make_summary(spec, home, metrics, checkpoint_uri, None, time.time() - started)
-            summary["interruptions"] = []
-            home.root.write_json(summary, home.job, "summary.json")
-            return EXIT_OK, summary
+            return EXIT_OK, write_summary(spec, home, metrics, checkpoint_uri, None, started, interruptions=[])
     started_ray = ensure_ray(spec.distributed.max_workers)
     run_id = uuid.uuid4().hex[:12]
     stop_flag = StopFlag(home.key)
@@ -272,9 +269,8 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
                                                       callbacks, submitted_at)
         c = spec.checkpoint  # the loop prunes as it goes; the last async uploads land after it stops
         ckpt.prune(home.root.fs, home.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode, say=say)
-        summary = make_summary(spec, home, metrics, checkpoint_uri, error, time.time() - started)
-        summary["interruptions"] = [r for r in read_interruptions(home) if r.get("run_id") == run_id]
-        home.root.write_json(summary, home.job, "summary.json")
+        summary = write_summary(spec, home, metrics, checkpoint_uri, error, started,
+                                interruptions=[r for r in read_interruptions(home) if r.get("run_id") == run_id])
     finally:
         restore_sigterm()
         if started_ray:
@@ -282,6 +278,15 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
     if summary["status"] == "succeeded":
         return EXIT_OK, summary
     return (EXIT_STOPPED if summary["status"] == "stopped" else EXIT_FAILED), summary
+
+
+def write_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_uri: str | None,
+                  error: BaseException | None, started: float, interruptions: list[dict]) -> dict:
+    """The run's summary, with this run's interruptions, written to <job>/summary.json."""
+    summary = make_summary(spec, home, metrics, checkpoint_uri, error, time.time() - started)
+    summary["interruptions"] = interruptions
+    home.root.write_json(summary, home.job, "summary.json")
+    return summary
 
 
 def reached_max_steps(metrics: dict, max_steps: int) -> bool:
