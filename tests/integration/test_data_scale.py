@@ -24,11 +24,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROW_FEATURES = 1024  # 4 KiB a row
 GROUP_ROWS = 4096  # 16 MiB row groups
 DATA_BYTES = 2 * 2**30 + 2**26  # a little over 2 GiB of features
-# Each training worker with its loader processes: a Ray Train worker with torch and gloo before
-# any data (its imports alone take ~375 MB), plus what streaming holds by design: two shuffle
-# windows of row groups (8 x 16 MiB here) and the one being read. Reading the whole set (the
-# loader before streaming) took each worker past 1.8 GB.
-RSS_BUDGET = 800 * 2**20
+# What streaming may hold beyond a worker that trains on one row group: by design two shuffle
+# windows of row groups (8 x 16 MiB here) and the one being read, 144 MiB; 130-150 MB measured.
+# The worker's own size (Ray Train, torch, gloo: ~375 MB of imports, more with huge pages) is
+# measured beside it, not assumed: a CI machine's workers peaked 150 MB above this machine's.
+# Reading the whole set (the loader before streaming) took each worker past 1.8 GB.
+DATA_BUDGET = 300 * 2**20
 RSS_KILL = 1800 * 2**20  # a worker past this (most of the data set) is stopped at once: the machine is shared
 
 
@@ -37,9 +38,9 @@ def final_state(summary: dict) -> dict:
     return ckpt.load_state(root.fs, summary["checkpoint_uri"].removeprefix("s3://"))
 
 
-def write_big_set(path) -> int:
+def write_big_set(path, data_bytes: int = DATA_BYTES) -> int:
     """Random features (they do not compress) in row groups of 16 MiB; returns the bytes of features."""
-    rows = DATA_BYTES // (4 * ROW_FEATURES)
+    rows = data_bytes // (4 * ROW_FEATURES)
     schema = pa.schema([("features", pa.list_(pa.float32(), ROW_FEATURES)), ("label", pa.int64())])
     rng = np.random.default_rng(0)
     with pq.ParquetWriter(path, schema, compression="none") as writer:
@@ -56,6 +57,7 @@ class WorkerMemory:
 
     def __init__(self, interval_s: float = 0.1):
         self.peak: dict[int, int] = {}
+        self.at_peak: dict[int, str] = {}  # what made up each peak: a failure on another machine says what grew
         self.killed: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(interval_s,), daemon=True)
@@ -70,7 +72,7 @@ class WorkerMemory:
 
     def _watch(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
-            procs = {}  # pid -> (parent pid, resident bytes, is a train worker)
+            procs = {}  # pid -> (parent pid, resident bytes, is a train worker, its make-up)
             for entry in (e for e in Path("/proc").iterdir() if e.name.isdigit()):
                 try:
                     status = (entry / "status").read_text()
@@ -78,16 +80,60 @@ class WorkerMemory:
                 except (OSError, ValueError):
                     continue
                 fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+                if worker:
+                    fields["AnonHuge"] = huge_pages(entry)
                 rss = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
-                procs[int(entry.name)] = (int(fields["PPid"]), rss, worker)
-            for pid, (_, rss, worker) in procs.items():
+                parts = " ".join(f"{k.removeprefix('Rss').lower()} {int(fields.get(k, '0 kB').split()[0]) >> 10}"
+                                 for k in ("RssAnon", "AnonHuge", "RssFile", "RssShmem"))
+                procs[int(entry.name)] = (int(fields["PPid"]), rss, worker, parts)
+            for pid, (_, rss, worker, parts) in procs.items():
                 if not worker:
                     continue
-                total = rss + sum(r for p, (parent, r, _) in procs.items() if parent == pid)
-                self.peak[pid] = max(self.peak.get(pid, 0), total)
+                children = [r for p, (parent, r, _, _) in procs.items() if parent == pid]
+                total = rss + sum(children)
+                if total > self.peak.get(pid, 0):
+                    self.peak[pid] = total
+                    self.at_peak[pid] = f"{parts} MB, {len(children)} children {sum(children) >> 20} MB"
                 if total > RSS_KILL:
                     self.killed.append(pid)
                     os.kill(pid, signal.SIGKILL)
+
+
+def huge_pages(proc: Path) -> str:
+    """Anonymous memory in transparent huge pages (a machine that backs them always counts more)."""
+    try:
+        for line in (proc / "smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return line.split(":", 1)[1]
+    except OSError:
+        pass
+    return "0 kB"
+
+
+def train_and_watch(data: str, root: Path) -> tuple[WorkerMemory, int, dict]:
+    """The job of these tests on ``data``, with each training worker's memory watched."""
+    spec = validate({
+        "name": "big", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 300},
+        "distributed": {"num_workers": 2}, "checkpoint": {"interval": 150, "storage_root": str(root)},
+        "model": {"factory": "slowpkg:busy_model", "options": {"features": ROW_FEATURES, "classes": 10}},
+        "data": {"source": data, "num_workers": 0},
+        "fault_tolerance": {"max_infrastructure_failures": 0},  # a worker stopped for its memory ends the run
+    })
+    with WorkerMemory() as memory:
+        code, summary = run_job(spec)
+    return memory, code, summary
+
+
+@pytest.fixture(scope="module")
+def one_group_peak(ray_local, tmp_path_factory) -> int:
+    """Peak RSS of a training worker whose whole data set is one row group: the job's own size here."""
+    folder = tmp_path_factory.mktemp("one-group")
+    write_big_set(folder / "one.parquet", GROUP_ROWS * ROW_FEATURES * 4)
+    memory, code, summary = train_and_watch(str(folder / "one.parquet"), folder / "root")
+    assert code == EXIT_OK and len(memory.peak) >= 2, summary
+    print(f"peak RSS per training worker on one row group (MB): {sorted(p >> 20 for p in memory.peak.values())}; "
+          f"at peak: {memory.at_peak}")
+    return max(memory.peak.values())
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +143,8 @@ def big_set(tmp_path_factory) -> tuple[Path, int]:
 
 
 @pytest.mark.parametrize("where", ["local disk", "moto S3"])
-def test_two_workers_train_a_data_set_far_larger_than_their_memory(ray_local, s3_server, big_set, where, tmp_path):
+def test_two_workers_train_a_data_set_far_larger_than_their_memory(ray_local, s3_server, big_set, one_group_peak,
+                                                                   where, tmp_path):
     local, size = big_set
     assert size >= 2 * 2**30
     data = str(local)
@@ -113,23 +160,17 @@ def test_two_workers_train_a_data_set_far_larger_than_their_memory(ray_local, s3
         print(f"uploaded {size >> 20} MB to moto in {time.monotonic() - started:.0f}s")
         assert s3.head_object(Bucket="bigdata", Key="big.parquet")["ContentLength"] == local.stat().st_size
         data = "s3://bigdata/big.parquet"
-    spec = validate({
-        "name": "big", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 300},
-        "distributed": {"num_workers": 2}, "checkpoint": {"interval": 150, "storage_root": str(tmp_path / "root")},
-        "model": {"factory": "slowpkg:busy_model", "options": {"features": ROW_FEATURES, "classes": 10}},
-        "data": {"source": data, "num_workers": 0},
-        "fault_tolerance": {"max_infrastructure_failures": 0},  # a worker stopped for its memory ends the run
-    })
     started = time.monotonic()
-    with WorkerMemory() as memory:
-        code, summary = run_job(spec)
+    memory, code, summary = train_and_watch(data, tmp_path / "root")
     print(f"trained {summary.get('final_step')} steps from {where} in {time.monotonic() - started:.0f}s")
-    peaks_mb = sorted(round(p / 2**20) for p in memory.peak.values())
-    print(f"peak RSS per training worker (MB): {peaks_mb}; data {size >> 20} MB")
-    assert not memory.killed, f"workers grew past {RSS_KILL >> 20} MB and were stopped; peaks (MB): {peaks_mb}"
+    peaks_mb = sorted(p >> 20 for p in memory.peak.values())
+    said = f"peak RSS per worker (MB): {peaks_mb}, {one_group_peak >> 20} on one row group; data {size >> 20} MB; " \
+           f"at peak: {memory.at_peak}"
+    print(said)
+    assert not memory.killed, f"workers grew past {RSS_KILL >> 20} MB and were stopped; {said}"
     assert code == EXIT_OK and summary["final_step"] == 300, summary
     assert len(memory.peak) >= 2, "both training workers were watched"
-    assert max(memory.peak.values()) < RSS_BUDGET, f"peak RSS per worker (MB): {peaks_mb}, data {size >> 20} MB"
+    assert max(memory.peak.values()) - one_group_peak < DATA_BUDGET, said
 
 
 def test_auto_loader_workers_cut_the_wait_for_slow_data(ray_local, tmp_path):

@@ -31,11 +31,16 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_nod
 
     cluster, (_, spot_node) = multi_node
     name = f"spot-{uuid.uuid4().hex[:8]}"  # unique: staging copies are recognised by it
+    # Steps run at full speed to the first checkpoint, then at 20 ms each while the gate file is
+    # there: the notice, the `ray drain-node` it runs (seconds on a busy machine) and the
+    # just-in-time checkpoint then fall well inside the run, however fast training goes.
+    gate = tmp_path / "gate"
     spec = validate({
         "name": name, "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 4000},
         "distributed": {"num_workers": {"min": 1, "max": 2}},
         "checkpoint": {"interval": 1000, "storage_root": str(tmp_path), "num_to_keep": None},
-        "model": {"hidden_size": 16},
+        "model": {"factory": "slowpkg:gated_model", "options": {"gate": str(gate), "compute_s": 0.02}},
+        "data": {"factory": "userpkg:make_data", "options": {"n": 3000}},
     })
     result: dict = {}
     job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))))
@@ -47,6 +52,7 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_nod
             if open_root(run_path).list_dirs():
                 break
             time.sleep(0.5)
+        gate.touch()
         when = (datetime.now(timezone.utc) + timedelta(seconds=8)).strftime("%Y-%m-%dT%H:%M:%SZ")
         imds.documents["/latest/meta-data/spot/instance-action"] = json.dumps({"action": "terminate", "time": when})
         notice = watch(IMDS(imds.url), lambda n: drain_node(cluster.address, spot_node.node_id, n).returncode == 0,
@@ -60,8 +66,10 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_nod
                 break
             time.sleep(0.5)
         assert jit, "a just-in-time checkpoint off the interval grid must appear"
+        gate.unlink()
         cluster.remove_node(spot_node)
     finally:
+        gate.unlink(missing_ok=True)
         job.join(timeout=400)
         imds.close()
     assert result.get("code") == EXIT_OK, result
