@@ -81,7 +81,9 @@ def run(script: str, args: list[str]) -> tuple[dict[str, float], str, float]:
                          cwd=REPO, timeout=1200)
     took = time.perf_counter() - started
     if out.returncode != 0:
-        return {}, f"{script} failed (exit {out.returncode}): {out.stderr.strip().splitlines()[-1:]}", took
+        lines = [line for line in out.stderr.splitlines() if line.strip(" =-*")]  # no banner rules
+        print("\n".join(f"[bench]   | {line}" for line in lines[-20:]), file=sys.stderr)
+        return {}, f"{script} failed (exit {out.returncode}): {lines[-1].strip() if lines else 'no output'}", took
     figures = {}
     for line in out.stdout.splitlines():
         m = re.match(r"^([a-z0-9][a-zA-Z0-9 ./()\-]*?): (-?[0-9.]+|inf)(?:\s.*)?$", line.strip())
