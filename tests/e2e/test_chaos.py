@@ -21,7 +21,8 @@ from trainers.config import validate
 from trainers.launch import EXIT_OK, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]
-INTERVAL = 800
+INTERVAL = 400
+TARGET = 8000
 
 
 def interruptions(root: Path) -> list[dict]:
@@ -37,36 +38,45 @@ def checkpoint_dirs(root: Path) -> set[str]:
 def test_three_random_node_kills_complete_exactly(multi_node, tmp_path):
     cluster, nodes = multi_node
     rng = random.Random(2026)
+    # While the nodes are killed, each step sleeps 20 ms (a gate file): at most ~50 steps a second
+    # however fast the machine, so the job outlives the three kills with room to spare, and its
+    # workers leave the CPU to the restarts. The steps after the last recovery run at full speed.
+    gate = tmp_path / "gate"
+    gate.touch()
     spec = validate({
-        "name": "chaos", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 16000},
+        "name": "chaos", "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": TARGET},
         "distributed": {"num_workers": {"min": 1, "max": 2}, "resize_check_interval_s": 2},
         # Synchronous upload: a kill mid-upload stops training at that step, so at most one
         # interval is lost; no floor between checkpoints, so every interval is taken.
         "checkpoint": {"interval": INTERVAL, "storage_root": str(tmp_path), "num_to_keep": None,
                        "upload": "sync", "min_interval_s": 0},
         "fault_tolerance": {"max_failures": 0},  # node losses must not touch the user's budget
-        "model": {"hidden_size": 64},
+        "model": {"factory": "slowpkg:gated_model", "options": {"gate": str(gate), "compute_s": 0.02}},
+        "data": {"factory": "userpkg:make_data", "options": {"n": 3000}},
     })
     result: dict = {}
     job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))), daemon=True)
     job.start()
     live = list(nodes)
-    for kill in range(3):
-        wait_for(lambda: len(interruptions(tmp_path)) >= kill and checkpoint_dirs(tmp_path), 240,
-                 f"training to run again before kill {kill + 1}")
-        if kill == 0:  # the first kill lands the moment a new checkpoint folder appears
-            seen = checkpoint_dirs(tmp_path)
-            wait_for(lambda: checkpoint_dirs(tmp_path) - seen, 120, "a new checkpoint being written", poll_s=0.02)
-        else:
-            time.sleep(rng.uniform(1.0, 6.0))
-        victim = live.pop(rng.randrange(len(live)))
-        cluster.remove_node(victim, allow_graceful=False)
-        live.append(cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1"))
-        wait_for(lambda: len(interruptions(tmp_path)) > kill, 240, f"recovery from kill {kill + 1}")
+    try:
+        for kill in range(3):
+            wait_for(lambda: len(interruptions(tmp_path)) >= kill and checkpoint_dirs(tmp_path), 240,
+                     f"training to run again before kill {kill + 1}")
+            if kill == 0:  # the first kill lands the moment a new checkpoint folder appears
+                seen = checkpoint_dirs(tmp_path)
+                wait_for(lambda: checkpoint_dirs(tmp_path) - seen, 120, "a new checkpoint being written", poll_s=0.02)
+            else:
+                time.sleep(rng.uniform(1.0, 6.0))
+            victim = live.pop(rng.randrange(len(live)))
+            cluster.remove_node(victim, allow_graceful=False)
+            live.append(cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1"))
+            wait_for(lambda: len(interruptions(tmp_path)) > kill, 240, f"recovery from kill {kill + 1}")
+    finally:
+        gate.unlink()
     job.join(timeout=900)
     assert result.get("code") == EXIT_OK, result
     summary = result["summary"]
-    assert summary["final_step"] == summary["target_step"] == 16000
+    assert summary["final_step"] == summary["target_step"] == TARGET
     records = [r for r in summary["interruptions"] if r["cause"] != "scale up"]
     assert len(records) >= 3, summary["interruptions"]
     fs = pafs.LocalFileSystem()
