@@ -20,6 +20,9 @@
   :func:`torch_trainer` leaves that callback out when there are no datasets.
 - The GCS port of a local start (``RAY_GCS_SERVER_PORT``, read by ``ray._private.node``): a
   local Ray tells its own processes where it is (:func:`init_local_ray`).
+- Ray's loopback switch (``ray_constants.ENABLE_RAY_CLUSTER``, read from
+  ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ray is imported): off, Ray keeps 127.0.0.1
+  instead of swapping in the machine's address (:func:`keep_on_loopback`).
 
 It lives in cluster/, the lowest layer, so trainers/ and cluster/ share it; nothing else in
 the project may import ``ray._private``, ``ray._raylet``, ``ray.experimental.internal_kv``
@@ -154,6 +157,26 @@ def local_preemption_info():
     return get_train_context().preemption_context.preemption_info
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # ray._private.ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+
+
+def keep_on_loopback() -> None:
+    """Have Ray keep a loopback address, in this process and in the processes it starts.
+
+    Ray swaps 127.0.0.1 for the machine's outward address (``resolve_ip_for_localhost``) unless
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0, and reads that once, when ray is imported: a script
+    that imports ray before setting it (anything but ``import trainers``, which sets it first)
+    would start its local Ray on the outward address. Set here for good, not around one call:
+    whatever this process does with its Ray later must agree on the node's address. A value the
+    user set is kept (then Ray's own behaviour, and :func:`init_local_ray` says what happened).
+    """
+    from ray._private import ray_constants
+
+    if os.environ.setdefault(LOOPBACK_ENV, "0") == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def init_local_ray(host: str = "127.0.0.1", **init_kwargs) -> str:
     """Start a local Ray (``ray.init(address="local")``) whose every process knows its address.
 
@@ -170,6 +193,8 @@ def init_local_ray(host: str = "127.0.0.1", **init_kwargs) -> str:
     """
     import ray
 
+    if host in LOOPBACK_HOSTS:
+        keep_on_loopback()
     with socket.socket() as s:  # a free port; the GCS binds it a moment later
         s.bind((host, 0))
         port = s.getsockname()[1]
@@ -186,11 +211,23 @@ def init_local_ray(host: str = "127.0.0.1", **init_kwargs) -> str:
             else:
                 os.environ[key] = value
     started = ray.get_runtime_context().gcs_address
-    if started != address:
+    problem = local_start_problem(started, address)
+    if problem:
         ray.shutdown()
-        raise RuntimeError(f"Ray started its GCS at {started}, not at {address} ({GCS_PORT_ENV} ignored): "
-                           "cluster/ray_adapter.py needs another way to give a local Ray's processes its address")
+        raise RuntimeError(problem)
     return address
+
+
+def local_start_problem(started: str, address: str) -> str | None:
+    """Why a local Ray is not where :func:`init_local_ray` asked for it, or None."""
+    if started == address:
+        return None
+    if started.rpartition(":")[2] == address.rpartition(":")[2]:
+        return (f"Ray started its GCS at {started}, not at {address}: it swapped the loopback address for the "
+                f"machine's because {LOOPBACK_ENV}={os.environ.get(LOOPBACK_ENV)!r}; unset it (or set it to 0) "
+                "to keep a local Ray on loopback")
+    return (f"Ray started its GCS at {started}, not at {address} ({GCS_PORT_ENV} ignored): "
+            "cluster/ray_adapter.py needs another way to give a local Ray's processes its address")
 
 
 def _datasets_callback_class():

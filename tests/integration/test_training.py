@@ -277,6 +277,25 @@ def test_user_error_beyond_the_budget_fails_with_its_message(ray_local, tmp_path
     assert "user bug at forward call 12" in summary["error"]
 
 
+def test_a_script_importing_only_the_adapter_starts_its_local_ray_on_loopback(tmp_path):
+    """A fresh process that imports ray before anything sets Ray's loopback switch (only
+    `import trainers` did): its local Ray must still be on 127.0.0.1, not the machine's address."""
+    ray_tmp = tempfile.mkdtemp(prefix="etr-")  # short: Ray's socket paths live under it (108 bytes at most)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmp)
+    script = ("import ray\nfrom cluster.ray_adapter import init_local_ray\n"
+              "print('address', init_local_ray(num_cpus=1, include_dashboard=False, configure_logging=False))\n"
+              "print('node', ray.util.get_node_ip_address())\nray.shutdown()\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,
+                             cwd=tmp_path)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    said = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("address ", "node ")))
+    assert said["address"].startswith("127.0.0.1:") and said["node"] == "127.0.0.1", out.stdout
+
+
 def test_doctor_finds_the_running_cluster(ray_local, tmp_path):
     address = ray_local.get_runtime_context().gcs_address
     ok = subprocess.run([sys.executable, "-m", "trainers.cli", "doctor", "--address", address,

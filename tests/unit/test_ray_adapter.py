@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 from pathlib import Path
 
 from cluster import ray_adapter
@@ -132,3 +133,28 @@ def test_a_head_started_here_still_reads_its_gcs_port_from_the_environment():
 
     assert ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE == ray_adapter.GCS_PORT_ENV
     assert "os.getenv(ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE)" in inspect.getsource(node.Node.__init__)
+
+
+def test_a_local_ray_keeps_loopback_whatever_was_imported_first(monkeypatch):
+    """Ray read RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at its import; keep_on_loopback sets what it read."""
+    from ray._private import ray_constants, services
+
+    assert ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR == ray_adapter.LOOPBACK_ENV
+    monkeypatch.delenv(ray_adapter.LOOPBACK_ENV, raising=False)
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)  # as a script that imported ray first has it
+    ray_adapter.keep_on_loopback()
+    assert services.resolve_ip_for_localhost("127.0.0.1") == "127.0.0.1"
+    assert os.environ[ray_adapter.LOOPBACK_ENV] == "0"  # the GCS, raylet and workers read it as they start
+
+
+def test_a_users_own_setting_is_kept_and_named_when_ray_moves_off_loopback(monkeypatch):
+    from ray._private import ray_constants
+
+    monkeypatch.setenv(ray_adapter.LOOPBACK_ENV, "1")
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    ray_adapter.keep_on_loopback()
+    assert ray_constants.ENABLE_RAY_CLUSTER is True
+    said = ray_adapter.local_start_problem("192.0.2.2:4321", "127.0.0.1:4321")
+    assert "swapped the loopback address" in said and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER='1'" in said, said
+    assert "RAY_GCS_SERVER_PORT ignored" in ray_adapter.local_start_problem("127.0.0.1:9", "127.0.0.1:4321")
+    assert ray_adapter.local_start_problem("127.0.0.1:4321", "127.0.0.1:4321") is None
