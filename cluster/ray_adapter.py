@@ -33,6 +33,7 @@ tests/unit/test_ray_adapter.py fails loudly when Ray moves or changes any of the
 from __future__ import annotations
 
 import inspect
+import ipaddress
 import os
 import socket
 from collections.abc import Callable
@@ -157,24 +158,33 @@ def local_preemption_info():
     return get_train_context().preemption_context.preemption_info
 
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # ray._private.ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
 
 
-def keep_on_loopback() -> None:
-    """Have Ray keep a loopback address, in this process and in the processes it starts.
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, not an address
+        return False
+
+
+def keep_on_loopback() -> dict[str, str]:
+    """Have Ray keep a loopback address in this process; returns the environment that keeps it
+    in the processes a local start launches (GCS, raylet, and through the raylet, the workers).
 
     Ray swaps 127.0.0.1 for the machine's outward address (``resolve_ip_for_localhost``) unless
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER is 0, and reads that once, when ray is imported: a script
-    that imports ray before setting it (anything but ``import trainers``, which sets it first)
-    would start its local Ray on the outward address. Set here for good, not around one call:
-    whatever this process does with its Ray later must agree on the node's address. A value the
-    user set is kept (then Ray's own behaviour, and :func:`init_local_ray` says what happened).
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER says off, and reads that once, when ray is imported: a
+    script that imported ray before setting it (anything but ``import trainers``, which sets it
+    first) would start its local Ray on the outward address. The flag stays off in this process:
+    what it does with its Ray later must agree on the node's address. A value the user set that
+    turns it on is kept (Ray's own behaviour; :func:`init_local_ray` then says what happened).
     """
     from ray._private import ray_constants
 
-    if os.environ.setdefault(LOOPBACK_ENV, "0") == "0":
-        ray_constants.ENABLE_RAY_CLUSTER = False
+    if os.environ.get(LOOPBACK_ENV, "0").lower() in ("true", "1"):  # read as Ray's env_bool reads it
+        return {}
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    return {LOOPBACK_ENV: os.environ.get(LOOPBACK_ENV, "0")}
 
 
 def init_local_ray(host: str = "127.0.0.1", **init_kwargs) -> str:
@@ -188,18 +198,17 @@ def init_local_ray(host: str = "127.0.0.1", **init_kwargs) -> str:
     our controller, find nothing, and remove our live run's placement group. Ray takes no GCS
     port for a local start but reads ``RAY_GCS_SERVER_PORT`` when it starts a head, and its
     processes inherit this process's environment as they start: with both set around ray.init,
-    each of them is pinned to this cluster. This process's own environment is restored after,
-    so what it starts later chooses for itself. Returns the GCS address.
+    each of them is pinned to this cluster, and on a loopback ``host`` kept there
+    (:func:`keep_on_loopback`). This process's own environment is restored after, so what it
+    starts later chooses for itself. Returns the GCS address.
     """
     import ray
 
-    if host in LOOPBACK_HOSTS:
-        keep_on_loopback()
     with socket.socket() as s:  # a free port; the GCS binds it a moment later
         s.bind((host, 0))
         port = s.getsockname()[1]
     address = f"{host}:{port}"
-    pinned = {GCS_PORT_ENV: str(port), "RAY_ADDRESS": address}
+    pinned = {GCS_PORT_ENV: str(port), "RAY_ADDRESS": address, **(keep_on_loopback() if is_loopback(host) else {})}
     saved = {k: os.environ.get(k) for k in pinned}
     os.environ.update(pinned)
     try:
@@ -222,7 +231,7 @@ def local_start_problem(started: str, address: str) -> str | None:
     """Why a local Ray is not where :func:`init_local_ray` asked for it, or None."""
     if started == address:
         return None
-    if started.rpartition(":")[2] == address.rpartition(":")[2]:
+    if started.rpartition(":")[2] == address.rpartition(":")[2] and not is_loopback(started.rpartition(":")[0]):
         return (f"Ray started its GCS at {started}, not at {address}: it swapped the loopback address for the "
                 f"machine's because {LOOPBACK_ENV}={os.environ.get(LOOPBACK_ENV)!r}; unset it (or set it to 0) "
                 "to keep a local Ray on loopback")

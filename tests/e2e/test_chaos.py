@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
+from slowpkg import blobs_parquet
 from waiting import wait_for
 
 from trainers import checkpoint as ckpt
@@ -52,7 +53,7 @@ def test_three_random_node_kills_complete_exactly(multi_node, tmp_path):
                        "upload": "sync", "min_interval_s": 0},
         "fault_tolerance": {"max_failures": 0},  # node losses must not touch the user's budget
         "model": {"factory": "slowpkg:gated_model", "options": {"gate": str(gate), "compute_s": 0.02}},
-        "data": {"factory": "userpkg:make_data", "options": {"n": 3000}},
+        "data": {"source": blobs_parquet(tmp_path / "blobs.parquet", 3000, group_rows=300)},
     })
     result: dict = {}
     job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))), daemon=True)

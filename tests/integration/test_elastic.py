@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from slowpkg import blobs_parquet
 from waiting import wait_for
 
 from trainers import checkpoint as ckpt
@@ -31,17 +32,6 @@ def checkpoints(root: Path, job: str) -> list[int]:
     return sorted(s for p in run.glob("checkpoint_*") if (s := ckpt.step_of(p.name)) is not None) if run.exists() else []
 
 
-def streamed_blobs(path: Path, samples: int, group_rows: int) -> None:
-    """userpkg's separable blobs as Parquet in row groups: a data set the workers stream."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from userpkg import Blobs
-
-    blobs = Blobs(samples)
-    pq.write_table(pa.table({"features": list(blobs.x.numpy()), "label": blobs.y.numpy()}), path,
-                   row_group_size=group_rows)
-
-
 def test_shrinks_on_node_loss_and_grows_back_with_every_sample_once(multi_node, tmp_path):
     """data.record_sample_ids on a Parquet set streamed by row group: 2 workers, a node lost
     mid-epoch, 1 worker from the newest checkpoint, 2 again; the checkpoints' records prove each
@@ -53,7 +43,7 @@ def test_shrinks_on_node_loss_and_grows_back_with_every_sample_once(multi_node, 
     from trainers.data import accounting
 
     cluster, nodes = multi_node
-    streamed_blobs(tmp_path / "blobs.parquet", SAMPLES, group_rows=100)
+    blobs_parquet(tmp_path / "blobs.parquet", SAMPLES, group_rows=100)
     spec_of = lambda name, workers: validate({  # noqa: E731
         "name": name, "training": {"batch_size": 64, "learning_rate": 0.05, "max_steps": 1_000_000},
         "distributed": {"num_workers": workers, "resize_check_interval_s": 3},

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
+
+from slowpkg import blobs_parquet
+from waiting import wait_for
 
 from cluster.rehearsal.imds import FakeIMDS
 
@@ -31,16 +33,19 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_nod
 
     cluster, (_, spot_node) = multi_node
     name = f"spot-{uuid.uuid4().hex[:8]}"  # unique: staging copies are recognised by it
-    # Steps run at full speed to the first checkpoint, then at 20 ms each while the gate file is
-    # there: the notice, the `ray drain-node` it runs (seconds on a busy machine) and the
-    # just-in-time checkpoint then fall well inside the run, however fast training goes.
+    # Each step sleeps 20 ms while the gate file is there: the notice, the `ray drain-node` it runs
+    # (seconds on a busy machine) and the just-in-time checkpoint fall inside the run however fast
+    # the machine trains; the steps after it run at full speed. The data streams from Parquet.
     gate = tmp_path / "gate"
+    gate.touch()
     spec = validate({
         "name": name, "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 4000},
         "distributed": {"num_workers": {"min": 1, "max": 2}},
-        "checkpoint": {"interval": 1000, "storage_root": str(tmp_path), "num_to_keep": None},
+        # One interval checkpoint (at 200; the floor between them is an hour), so any other one
+        # before the node goes is the just-in-time one.
+        "checkpoint": {"interval": 200, "min_interval_s": 3600, "storage_root": str(tmp_path), "num_to_keep": None},
         "model": {"factory": "slowpkg:gated_model", "options": {"gate": str(gate), "compute_s": 0.02}},
-        "data": {"factory": "userpkg:make_data", "options": {"n": 3000}},
+        "data": {"source": blobs_parquet(tmp_path / "blobs.parquet", 3000, group_rows=300)},
     })
     result: dict = {}
     job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))))
@@ -48,24 +53,14 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_nod
     run_path = open_root(str(tmp_path)).path(name, "checkpoints")
     imds = FakeIMDS()
     try:
-        for _ in range(240):  # let the 2-worker group start and take its first checkpoint
-            if open_root(run_path).list_dirs():
-                break
-            time.sleep(0.5)
-        gate.touch()
+        wait_for(lambda: open_root(run_path).list_dirs(), 120, "the 2-worker group's first checkpoint")
         when = (datetime.now(timezone.utc) + timedelta(seconds=8)).strftime("%Y-%m-%dT%H:%M:%SZ")
         imds.documents["/latest/meta-data/spot/instance-action"] = json.dumps({"action": "terminate", "time": when})
         notice = watch(IMDS(imds.url), lambda n: drain_node(cluster.address, spot_node.node_id, n).returncode == 0,
                        interval_s=0.5, max_polls=10)
         assert notice is not None and notice.kind == "spot-interruption"
-        jit = None
-        for _ in range(60):
-            steps = [ckpt.step_of(d) for d in open_root(run_path).list_dirs()]
-            jit = next((s for s in steps if s and s % 1000), None)
-            if jit:
-                break
-            time.sleep(0.5)
-        assert jit, "a just-in-time checkpoint off the interval grid must appear"
+        steps = lambda: [ckpt.step_of(d) for d in open_root(run_path).list_dirs()]  # noqa: E731
+        jit = wait_for(lambda: next((s for s in steps() if s not in (None, 200)), None), 30, "a just-in-time checkpoint")
         gate.unlink()
         cluster.remove_node(spot_node)
     finally:

@@ -11,6 +11,8 @@ import inspect
 import os
 from pathlib import Path
 
+import pytest
+
 from cluster import ray_adapter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,19 +144,26 @@ def test_a_local_ray_keeps_loopback_whatever_was_imported_first(monkeypatch):
     assert ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR == ray_adapter.LOOPBACK_ENV
     monkeypatch.delenv(ray_adapter.LOOPBACK_ENV, raising=False)
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)  # as a script that imported ray first has it
-    ray_adapter.keep_on_loopback()
+    assert ray_adapter.keep_on_loopback() == {ray_adapter.LOOPBACK_ENV: "0"}  # for the processes it starts
+    assert ray_constants.ENABLE_RAY_CLUSTER is False
     assert services.resolve_ip_for_localhost("127.0.0.1") == "127.0.0.1"
-    assert os.environ[ray_adapter.LOOPBACK_ENV] == "0"  # the GCS, raylet and workers read it as they start
+    assert ray_adapter.LOOPBACK_ENV not in os.environ, "this process's environment is left as it was"
 
 
-def test_a_users_own_setting_is_kept_and_named_when_ray_moves_off_loopback(monkeypatch):
+@pytest.mark.parametrize("value, kept_on", [("1", True), ("TRUE", True), ("false", False), ("0", False)])
+def test_a_users_own_setting_is_read_as_ray_reads_it(monkeypatch, value, kept_on):
     from ray._private import ray_constants
 
-    monkeypatch.setenv(ray_adapter.LOOPBACK_ENV, "1")
+    monkeypatch.setenv(ray_adapter.LOOPBACK_ENV, value)
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
-    ray_adapter.keep_on_loopback()
-    assert ray_constants.ENABLE_RAY_CLUSTER is True
+    pinned = ray_adapter.keep_on_loopback()
+    assert ray_constants.ENABLE_RAY_CLUSTER is kept_on and pinned == ({} if kept_on else {ray_adapter.LOOPBACK_ENV: value})
+
+
+def test_a_local_start_off_its_address_says_why():
     said = ray_adapter.local_start_problem("192.0.2.2:4321", "127.0.0.1:4321")
-    assert "swapped the loopback address" in said and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER='1'" in said, said
+    assert "swapped the loopback address" in said and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in said, said
     assert "RAY_GCS_SERVER_PORT ignored" in ray_adapter.local_start_problem("127.0.0.1:9", "127.0.0.1:4321")
+    assert "RAY_GCS_SERVER_PORT ignored" in ray_adapter.local_start_problem("127.0.0.2:4321", "127.0.0.1:4321")
     assert ray_adapter.local_start_problem("127.0.0.1:4321", "127.0.0.1:4321") is None
+    assert [ray_adapter.is_loopback(h) for h in ("127.0.0.1", "::1", "192.0.2.2", "localhost")] == [True, True, False, False]
