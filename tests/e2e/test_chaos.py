@@ -52,7 +52,7 @@ def test_three_random_node_kills_complete_exactly(multi_node, tmp_path):
         "checkpoint": {"interval": INTERVAL, "storage_root": str(tmp_path), "num_to_keep": None,
                        "upload": "sync", "min_interval_s": 0},
         "fault_tolerance": {"max_failures": 0},  # node losses must not touch the user's budget
-        "model": {"factory": "slowpkg:gated_model", "options": {"gate": str(gate), "compute_s": 0.02}},
+        "model": {"factory": "slowpkg:busy_model", "options": {"gate": str(gate), "compute_s": 0.02}},
         "data": {"source": blobs_parquet(tmp_path / "blobs.parquet", 3000, group_rows=300)},
     })
     result: dict = {}

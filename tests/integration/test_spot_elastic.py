@@ -44,7 +44,7 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_nod
         # One interval checkpoint (at 200; the floor between them is an hour), so any other one
         # before the node goes is the just-in-time one.
         "checkpoint": {"interval": 200, "min_interval_s": 3600, "storage_root": str(tmp_path), "num_to_keep": None},
-        "model": {"factory": "slowpkg:gated_model", "options": {"gate": str(gate), "compute_s": 0.02}},
+        "model": {"factory": "slowpkg:busy_model", "options": {"gate": str(gate), "compute_s": 0.02}},
         "data": {"source": blobs_parquet(tmp_path / "blobs.parquet", 3000, group_rows=300)},
     })
     result: dict = {}
