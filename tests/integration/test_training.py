@@ -41,9 +41,12 @@ def digits_spec(root, name, dropout=0.1, **training):
     })
 
 
-def raylet_pids() -> set[int]:
+def raylets_under(folder: Path) -> list[str]:
+    """Raylets whose session lives under ``folder`` (a raylet's command line names its session
+    folder): those a command with RAY_TMPDIR there started, not another test's or lane's."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in out.splitlines() if "raylet" in line and "grep" not in line}
+    return [line for line in out.splitlines()
+            if line.split()[1].endswith("/raylet") and f"={folder}/" in line]
 
 
 def test_guide_template_trains_from_the_command_line(ray_local, tmp_path):
@@ -51,7 +54,6 @@ def test_guide_template_trains_from_the_command_line(ray_local, tmp_path):
     absolute directory it names. /checkpoints is this test's own folder, bind-mounted there in
     a private mount namespace, as a shared volume would be on a cluster. Another Ray (the
     test's) runs on the machine: the local Ray the command starts keeps to itself."""
-    before = raylet_pids()
     volume, root = tmp_path / "volume", tmp_path / "root"
     volume.mkdir()
     os.makedirs("/checkpoints", exist_ok=True)  # the mount point (the namespace's mount hides what is in it)
@@ -73,6 +75,7 @@ def test_guide_template_trains_from_the_command_line(ray_local, tmp_path):
         stale_left = stale.exists()
         confused = [str(f) for f in ray_temp.glob("ray/session_*/logs/*") if f.is_file()
                     and "Found multiple active Ray instances" in f.read_text(errors="replace")]
+        left_running = raylets_under(ray_temp)
     finally:
         shutil.rmtree(ray_temp, ignore_errors=True)
     out = proc.stdout + proc.stderr
@@ -93,7 +96,7 @@ def test_guide_template_trains_from_the_command_line(ray_local, tmp_path):
     assert (volume / "checkpoint_000000006" / "model_6.pt").exists()
     assert (volume / "checkpoint_000000006" / "manifest.json").exists()
     assert not (root / "deployment-guide").exists(), "nothing of the job under the storage root"
-    assert raylet_pids() <= before, "the command must stop the Ray it started"
+    assert left_running == [], "the command must stop the Ray it started"
 
 
 def test_two_workers_learn_digits_and_stay_in_sync(ray_local, tmp_path):
