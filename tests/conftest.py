@@ -177,12 +177,15 @@ def multi_node():
 # fastest. A module not named here runs last, in pytest's order.
 MODULE_ORDER = [
     "tests/unit/",
-    "tests/e2e/test_ray_up.py", "tests/integration/test_spot_fallback.py", "tests/integration/test_code_tenant.py",
-    "tests/e2e/test_chaos.py", "tests/integration/test_elastic.py", "tests/integration/test_spot_elastic.py",
+    "tests/e2e/test_ray_up.py", "tests/integration/test_spot_fallback.py", "tests/e2e/test_chaos.py",
+    "tests/integration/test_elastic.py", "tests/integration/test_spot_elastic.py",
     "tests/integration/test_console.py", "tests/integration/test_data_scale.py", "tests/integration/test_job_page.py",
     "tests/integration/test_loss_golden.py", "tests/integration/test_observability.py",
     "tests/integration/test_security.py", "tests/integration/test_service.py", "tests/integration/test_sweep.py",
     "tests/integration/test_training.py",
+    # Last: its attacker job reads every folder and joins every Ray it can see; by now its lane's
+    # other tests are done (and the rehearsal beside, which shares the folders, most likely too).
+    "tests/integration/test_code_tenant.py",
 ]
 
 

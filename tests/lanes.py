@@ -4,7 +4,7 @@ The suite is mostly Ray start-up (CPU) and waiting on Ray (a node's death, a spo
 deadline, `ray up` over ssh); one lane leaves a quarter of this machine's two cores idle.
 
 - **main**: the unit tier and the modules on the shared local Ray (training, the service,
-  security, the job page), on this machine's own network and processes.
+  security, the job page, the loss goldens), on this machine's own network and processes.
 - **beside**: every other module, in namespaces of its own (``unshare --net --pid --mount``):
   its own loopback, so its Rays, sshd, Prometheus and Serve take the ports they would take
   alone (Ray's node agent has a fixed port, 52365; the `ray up` twin needs 22 and 8265); its
@@ -39,8 +39,8 @@ REHEARSAL = "tests/e2e/test_rehearsal.py"
 BESIDE = ["tests/e2e/test_ray_up.py", "tests/e2e/test_chaos.py", "tests/integration/test_spot_fallback.py",
           "tests/integration/test_code_tenant.py", "tests/integration/test_elastic.py",
           "tests/integration/test_spot_elastic.py", "tests/integration/test_console.py",
-          "tests/integration/test_data_scale.py", "tests/integration/test_loss_golden.py",
-          "tests/integration/test_observability.py", "tests/integration/test_sweep.py"]
+          "tests/integration/test_data_scale.py", "tests/integration/test_observability.py",
+          "tests/integration/test_sweep.py"]
 LANE_RAY_DIR = "/tmp/ray"  # what Ray and `ray start` use when RAY_TMPDIR is unset
 
 
@@ -62,7 +62,7 @@ def init(argv: list[str]) -> int:
     /tmp/ray, run ``argv`` and reap every orphan until it ends (a process whose parent died is
     handed to process 1; unreaped, it stays a zombie that tests would count as running)."""
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    own = tempfile.mkdtemp(prefix="etrain-lane-ray-")
+    own = tempfile.mkdtemp(prefix="ray-lane-")  # not etrain-*: tests look there for staging copies
     os.makedirs(LANE_RAY_DIR, exist_ok=True)
     subprocess.run(["mount", "--bind", own, LANE_RAY_DIR], check=True)
     child = subprocess.Popen(argv)

@@ -16,7 +16,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -103,17 +102,11 @@ class Service:
         self.proc = None
 
     def wait_ray(self) -> None:
-        wait_for(lambda: self._listens(int(self.gcs)) or (self.ray.poll() is not None and pytest.fail(
-            f"the service's Ray exited: {(self.work / f'service-ray-{self.port}.log').read_text()[-3000:]}")), 120,
-            "the service's Ray", poll_s=1)
-
-    @staticmethod
-    def _listens(port: int) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return True
-        except OSError:
-            return False
+        """Until `ray start` says its node is up: a GCS port that listens is not yet a node a
+        driver can join, and on a busy machine `etrain serve` would give up on it."""
+        log = self.work / f"service-ray-{self.port}.log"
+        wait_for(lambda: "Ray runtime started" in log.read_text() or (self.ray.poll() is not None and pytest.fail(
+            f"the service's Ray exited: {log.read_text()[-3000:]}")), 120, "the service's Ray", poll_s=1)
 
     def run(self, *extra: str, wait: bool = True) -> subprocess.Popen:
         log = open(self.work / f"serve-{self.port}.log", "a")
