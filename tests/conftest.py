@@ -18,10 +18,20 @@ sys.path.insert(0, str(REPO / "tests" / "fixtures"))  # user-code packages the s
 WORKER_PYTHONPATH = os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])  # what Ray's workers import
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before in this process: a test that asks for several
+    at once (one per Ray component) gets distinct ones, which the kernel does not promise when
+    each probe's socket is closed before the next (it gave `ray start` one port twice)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 @pytest.fixture(scope="session", autouse=True)

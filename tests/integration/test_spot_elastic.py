@@ -15,12 +15,14 @@ import pytest
 from slowpkg import blobs_parquet
 from waiting import wait_for
 
+from cluster.ray_adapter import kv_get
 from cluster.rehearsal.imds import FakeIMDS
 
 from cluster.spot import IMDS, drain_node, watch
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import validate
+from trainers.home import job_home
 from trainers.launch import EXIT_OK, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -61,6 +63,11 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_nod
         assert notice is not None and notice.kind == "spot-interruption"
         steps = lambda: [ckpt.step_of(d) for d in open_root(run_path).list_dirs()]  # noqa: E731
         jit = wait_for(lambda: next((s for s in steps() if s not in (None, 200)), None), 30, "a just-in-time checkpoint")
+        # Its folder appears as the upload starts; the node goes once the checkpoint is reported and
+        # rank 0 has said why it stops (as a real node goes at the notice's deadline, not before).
+        beat = lambda: json.loads(kv_get(f"{job_home(spec).key}/heartbeat".encode()) or b"{}")  # noqa: E731
+        wait_for(lambda: beat().get("cause") == "preemption notice" and beat().get("step") == jit, 60,
+                 "rank 0's heartbeat after the just-in-time checkpoint")
         gate.unlink()
         cluster.remove_node(spot_node)
     finally:

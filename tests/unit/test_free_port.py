@@ -1,0 +1,30 @@
+"""The tests' port picker: several ports asked for at once are distinct (the kernel's probe may repeat one)."""
+
+from __future__ import annotations
+
+import conftest
+
+
+class RepeatingSocket:
+    """A socket whose bind to port 0 gets the ports listed, in order, as a kernel may."""
+
+    ports = iter([])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def bind(self, address):
+        self.port = next(RepeatingSocket.ports)
+
+    def getsockname(self):
+        return ("127.0.0.1", self.port)
+
+
+def test_a_port_the_kernel_offers_twice_is_handed_out_once(monkeypatch):
+    monkeypatch.setattr(conftest, "_HANDED_OUT", set(), raising=False)
+    monkeypatch.setattr(conftest.socket, "socket", RepeatingSocket)
+    RepeatingSocket.ports = iter([57679, 57679, 57679, 40145])
+    assert [conftest.free_port(), conftest.free_port()] == [57679, 40145]
