@@ -193,8 +193,8 @@ MODULE_ORDER = [
     "tests/integration/test_loss_golden.py", "tests/integration/test_observability.py",
     "tests/integration/test_security.py", "tests/integration/test_service.py", "tests/integration/test_sweep.py",
     "tests/integration/test_training.py",
-    # Last: its attacker job reads every folder and joins every Ray it can see; by now its lane's
-    # other tests are done (and the rehearsal beside, which shares the folders, most likely too).
+    # Last: its attacker job reads every folder and joins every Ray it can see (`make test` runs it
+    # alone, after the others; so does a plain `pytest tests` this way).
     "tests/integration/test_code_tenant.py",
 ]
 

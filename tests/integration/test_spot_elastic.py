@@ -23,6 +23,7 @@ from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import validate
 from trainers.home import job_home
+from trainers.recovery import Heartbeats
 from trainers.launch import EXIT_OK, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -65,7 +66,7 @@ def test_spot_notice_takes_jit_checkpoint_and_job_resumes_on_survivors(multi_nod
         jit = wait_for(lambda: next((s for s in steps() if s not in (None, 200)), None), 30, "a just-in-time checkpoint")
         # Its folder appears as the upload starts; the node goes once the checkpoint is reported and
         # rank 0 has said why it stops (as a real node goes at the notice's deadline, not before).
-        beat = lambda: json.loads(kv_get(f"{job_home(spec).key}/heartbeat".encode()) or b"{}")  # noqa: E731
+        beat = lambda: json.loads(kv_get(Heartbeats(job_home(spec).key, run_id="").key) or b"{}")  # noqa: E731
         wait_for(lambda: beat().get("cause") == "preemption notice" and beat().get("step") == jit, 60,
                  "rank 0's heartbeat after the just-in-time checkpoint")
         gate.unlink()

@@ -43,7 +43,7 @@ def digits_spec(root, name, dropout=0.1, **training):
 
 def raylets_under(folder: Path) -> list[str]:
     """Raylets whose session lives under ``folder`` (a raylet's command line names its session
-    folder): those a command with RAY_TMPDIR there started, not another test's or lane's."""
+    folder): those a command with RAY_TMPDIR there started, not another Ray's on the machine."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     return [line for line in out.splitlines()
             if line.split()[1].endswith("/raylet") and f"={folder}/" in line]
