@@ -66,7 +66,10 @@ def s3_filesystem() -> pafs.S3FileSystem:
     # The AWS SDK's default gives up on a request that moves no bytes for 3 s: a busy S3-compatible
     # server (or S3 throttling a large ranged read) stalls that long, and a streamed row group was lost.
     # 15 s keeps three tries of a just-in-time checkpoint inside a 2-minute spot notice.
-    return pafs.S3FileSystem(request_timeout=S3_REQUEST_TIMEOUT_S, connect_timeout=S3_CONNECT_TIMEOUT_S, **kwargs)
+    # Delayed open: a small file is one PUT when it is closed, not a multipart upload's three
+    # requests; an error (a missing bucket) surfaces at close, which every write here waits for.
+    return pafs.S3FileSystem(request_timeout=S3_REQUEST_TIMEOUT_S, connect_timeout=S3_CONNECT_TIMEOUT_S,
+                             allow_delayed_open=True, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -98,10 +101,11 @@ class StorageRoot:
             return f.read()
 
     def write_bytes(self, data: bytes, *parts: str) -> None:
-        """Write whole: locally via a temporary name and a rename, on S3 one PUT (atomic there)."""
+        """Write whole: locally via a temporary name and a rename, on S3 one PUT (atomic there; S3
+        has no folders, and creating their marker objects would cost requests at every write)."""
         target = self.path(*parts)
-        self.fs.create_dir(posixpath.dirname(target), recursive=True)
         if isinstance(self.fs, pafs.LocalFileSystem):
+            self.fs.create_dir(posixpath.dirname(target), recursive=True)
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
             with self.fs.open_output_stream(tmp) as f:
                 f.write(data)

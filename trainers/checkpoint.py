@@ -203,21 +203,30 @@ def retention_entry(fs: pafs.FileSystem, path: str, step: int, metric: str | Non
 
 
 def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: str | None,
-          best_mode: str, say=print) -> list[int]:
+          best_mode: str, say=print, known: dict[str, Kept] | None = None) -> list[int]:
     """Apply :func:`retention_plan` to the run folder; return the steps deleted.
 
     A read that fails for any reason but absence (S3's 503 SlowDown, a timeout) skips this
     round: deleting on a guess could remove the best checkpoint. The next checkpoint retries.
+    ``known``: complete checkpoints read in earlier rounds, by path (a complete checkpoint does
+    not change), so a round reads only the new ones: one listing, not three requests per kept one.
     """
+    known = {} if known is None else known
     try:
         infos = fs.get_file_info(pafs.FileSelector(run_path, recursive=False, allow_not_found=True))
         paths = {step: info.path for info in infos
                  if info.type == pafs.FileType.Directory and (step := step_of(posixpath.basename(info.path))) is not None}
-        entries = [retention_entry(fs, path, step, metric) for step, path in paths.items()]
+        entries = []
+        for step, path in paths.items():
+            entry = known.get(path) or retention_entry(fs, path, step, metric)
+            if entry.complete:
+                known[path] = entry
+            entries.append(entry)
     except (RetentionReadError, OSError) as exc:
         say(f"[etrain] retention skipped this round (nothing deleted): could not read {exc}")
         return []
     doomed = retention_plan(entries, keep_newest, best_mode if metric else None)
     for step in doomed:
         fs.delete_dir(paths[step])
+        known.pop(paths[step], None)
     return doomed

@@ -107,6 +107,7 @@ class Checkpointer:
         self.timing = Timing()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="etrain-checkpoint")
         self._pending: Future | None = None
+        self._retention_known: dict[str, ckpt.Kept] = {}  # complete checkpoints retention has read
 
     def kind(self, done: int, stop: int, preempted: bool, stop_requested: bool) -> Kind | None:
         gap_ok = (not preempted and not stop_requested and done != stop and done % self.interval_steps == 0
@@ -177,6 +178,7 @@ class Checkpointer:
                 shutil.rmtree(directory, ignore_errors=True)  # a failed upload leaves no copy either
         if self.rank == 0:
             c = self.spec.checkpoint
-            ckpt.prune(self.root.fs, self.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
+            ckpt.prune(self.root.fs, self.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode,
+                       known=self._retention_known)
         self.after_report(done, jit)
         then()

@@ -216,14 +216,16 @@ def gpu_utilization() -> float | None:
 
 
 class TensorBoard:
-    """Event files written locally by rank 0 and copied whole to ``<job>/tensorboard/`` at each flush,
-    so `tensorboard --logdir <root>/<job>/tensorboard` (or s3://...) shows the run as it goes."""
+    """Event files written locally by rank 0 and copied to ``<job>/tensorboard/`` at each flush,
+    so `tensorboard --logdir <root>/<job>/tensorboard` (or s3://...) shows the run as it goes.
+
+    Each flush closes the current event file, uploads it, and starts the next (TensorBoard reads a
+    folder's event files in order): a flush moves only the events since the last, where copying
+    the one growing file would move the whole run's events again at every checkpoint."""
 
     def __init__(self, root: StorageRoot, spec: JobSpec, job: str, local: str):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.root, self.job, self.local = root, job, local
-        self.writer = SummaryWriter(log_dir=self.local)
+        self.writer = self._open()
         t = spec.training
         hparams = {"batch_size": t.batch_size, "learning_rate": t.learning_rate, "optimizer": t.optimizer,
                    "num_workers": spec.distributed.max_workers, "loader_workers": spec.data.num_workers,
@@ -240,13 +242,22 @@ class TensorBoard:
         self.writer.close()
         shutil.rmtree(self.local, ignore_errors=True)
 
+    def _open(self):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=self.local)
+
     def upload(self) -> None:
-        self.writer.flush()
+        """Upload the events written since the last upload (each closed file once, then removed)."""
+        self.writer.close()
         for dirpath, _, files in os.walk(self.local):
-            for name in files:
-                rel = os.path.relpath(os.path.join(dirpath, name), self.local)
-                with open(os.path.join(dirpath, name), "rb") as f:
+            for name in sorted(files):
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, self.local)
+                with open(path, "rb") as f:
                     self.root.write_bytes(f.read(), self.job, TENSORBOARD_DIR, *rel.split(os.sep))
+                os.remove(path)
+        self.writer = self._open()
 
 
 def profiles_of(root: StorageRoot, job: str) -> list[str]:

@@ -157,3 +157,28 @@ def test_an_uploading_newer_checkpoint_protects_the_verified_one(tmp_path):
     with open(os.path.join(uploading, "model_20.pt"), "wb") as f:
         f.write(b"x" * 10)  # a part of the file
     assert ckpt.prune(pafs.LocalFileSystem(), run, 1, None, "min") == []
+
+
+def test_prune_reads_a_complete_checkpoint_once_across_rounds(tmp_path, monkeypatch):
+    """At every checkpoint retention runs again; a complete checkpoint does not change, so a
+    round reads only folders it has not seen complete (S3: three requests per kept checkpoint)."""
+    run = str(tmp_path)
+    reads = []
+    real = ckpt.retention_entry
+    monkeypatch.setattr(ckpt, "retention_entry", lambda fs, path, step, metric: reads.append(step) or real(fs, path, step, metric))
+    known: dict = {}
+    make(run, 10)
+    uploading = make(run, 20)
+    os.remove(os.path.join(uploading, "model_20.pt"))  # not complete yet: read again next round
+    assert ckpt.prune(pafs.LocalFileSystem(), run, 1, None, "min", known=known) == []
+    assert sorted(reads) == [10, 20]
+    ckpt.write_local(uploading, {"step": 20}, "model_20.pt")  # its upload finished
+    make(run, 30)
+    reads.clear()
+    assert ckpt.prune(pafs.LocalFileSystem(), run, 1, None, "min", known=known) == [10, 20]
+    assert sorted(reads) == [20, 30]  # 10 was known complete
+    reads.clear()
+    make(run, 40)
+    assert ckpt.prune(pafs.LocalFileSystem(), run, 1, None, "min", known=known) == [30]
+    assert reads == [40]
+    assert sorted(known) == [os.path.join(run, ckpt.dir_name(40))]  # deleted ones are forgotten

@@ -152,3 +152,31 @@ def test_the_page_carries_chart_series_by_step_and_interruption_marks():
     assert set(data["html"]) == {"summary", "interruptions", "checkpoints", "log"}
     assert 'class="interruption-row"' in data["html"]["interruptions"]
     assert "No jobs yet" in jobs_page("t", [])
+
+
+def test_tensorboard_uploads_only_the_events_since_the_last_flush(tmp_path):
+    """A flush at every checkpoint must not copy the run's whole event file again each time."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cluster.storage import open_root
+    from trainers.config import validate
+    from trainers.observe import TensorBoard
+
+    spec = validate({"name": "tb", "training": {"max_steps": 30}})
+    stored = tmp_path / "storage" / "tb" / "tensorboard"
+    tb = TensorBoard(open_root(str(tmp_path / "storage")), spec, "tb", str(tmp_path / "local"))
+    tb.scalars({"step": 10, "loss": 1.0})
+    tb.upload()
+    first = {p.name: p.read_bytes() for p in stored.rglob("events.out.tfevents.*")}
+    tb.scalars({"step": 20, "loss": 0.5})
+    tb.upload()
+    after = {p.name: p.read_bytes() for p in stored.rglob("events.out.tfevents.*")}
+    assert first and all(after[name] == data for name, data in first.items()), "an uploaded file was rewritten"
+    assert len(after) == len(first) + 1
+    local = [p.name for p in (tmp_path / "local").rglob("events.out.tfevents.*")]
+    assert len(local) == 1 and local[0] not in after, local  # uploaded files leave rank 0's disk
+    tb.close()
+    acc = EventAccumulator(str(stored))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 1.0), (20, 0.5)]
+    assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")
