@@ -116,12 +116,20 @@ def reported_max_resources() -> dict[str, float] | None:
     return {k: float(v) for k, v in found.items()} if found else None
 
 
+def ray_temp_dir() -> Path:
+    """Ray's temp folder on this node as `ray start` picks it (RAY_TMPDIR, else TMPDIR, else /tmp,
+    then ``ray``): the address record and the Prometheus discovery file live there."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    return Path(get_default_ray_temp_dir())
+
+
 def address_record() -> Path:
     """The file in which `ray start` records its cluster's address for ``address="auto"``
-    (Ray's temp dir: RAY_TMPDIR, else TMPDIR, else /tmp); `ray stop` removes it."""
+    (in :func:`ray_temp_dir`); `ray stop` removes it."""
     from ray._common.utils import get_ray_address_file
 
-    return Path(get_ray_address_file(None))
+    return Path(get_ray_address_file(str(ray_temp_dir())))
 
 
 WORKER_LOG_HANDLER = "ray_print_logs"

@@ -13,6 +13,7 @@ from pathlib import Path
 from trainers.config import SpecError, load_spec
 from trainers.worker_log import LOG_LEVEL_ENV
 
+PROMETHEUS_DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's name for it
 EXAMPLES = """examples:
   etrain run configs/quickstart.yaml
   etrain run configs/deployment-guide.json --set training.max_steps=50
@@ -152,16 +153,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def prometheus_config_text(interval_s: float) -> str:
     """A scrape config for the Ray this process is connected to: every live node's metrics agent."""
-    import os
-
     import ray
 
     from cluster.metrics import scrape_config
 
     targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes()
                if n["Alive"] and n.get("MetricsExportPort")]
-    discovery = os.path.join(tempfile.gettempdir(), "ray", "prom_metrics_service_discovery.json")
-    return scrape_config(targets, discovery if os.path.exists(discovery) else None, interval_s)
+    return scrape_config(targets, prometheus_discovery_file(), interval_s)
+
+
+def prometheus_discovery_file() -> str | None:
+    """The file in which the head's Ray lists every node's metrics address (in Ray's temp folder,
+    which RAY_TMPDIR moves), if this node has one."""
+    from cluster.ray_adapter import ray_temp_dir
+
+    discovery = ray_temp_dir() / PROMETHEUS_DISCOVERY_FILE
+    return str(discovery) if discovery.exists() else None
 
 
 def cmd_prometheus_config(args: argparse.Namespace) -> int:

@@ -167,3 +167,21 @@ def test_a_local_start_off_its_address_says_why():
     assert "RAY_GCS_SERVER_PORT ignored" in ray_adapter.local_start_problem("127.0.0.2:4321", "127.0.0.1:4321")
     assert ray_adapter.local_start_problem("127.0.0.1:4321", "127.0.0.1:4321") is None
     assert [ray_adapter.is_loopback(h) for h in ("127.0.0.1", "::1", "192.0.2.2", "localhost")] == [True, True, False, False]
+
+
+def test_rays_temp_folder_follows_ray_tmpdir_and_holds_the_prometheus_discovery_file(monkeypatch, tmp_path):
+    """`ray start` on a node with RAY_TMPDIR set writes its address record and the Prometheus
+    discovery file under it; `etrain prometheus-config` must look there, not in /tmp."""
+    import ray._private.ray_constants
+
+    from cluster.ray_adapter import address_record, ray_temp_dir
+    from trainers.cli import PROMETHEUS_DISCOVERY_FILE, prometheus_discovery_file
+
+    assert PROMETHEUS_DISCOVERY_FILE == ray._private.ray_constants.PROMETHEUS_SERVICE_DISCOVERY_FILE
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert ray_temp_dir() == tmp_path / "ray"
+    assert address_record().parent == tmp_path / "ray"
+    assert prometheus_discovery_file() is None  # none yet: the scrape config then lists the live nodes only
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / PROMETHEUS_DISCOVERY_FILE).write_text("[]")
+    assert prometheus_discovery_file() == str(tmp_path / "ray" / PROMETHEUS_DISCOVERY_FILE)
