@@ -1,16 +1,19 @@
-"""Run the whole suite as two lanes at once: the rehearsed cloud beside everything else.
+"""Run the whole suite as two lanes at once: everything on this machine's network, and beside it
+the rehearsed cloud followed by the code tenant's test in namespaces of its own.
 
-The rehearsal (tests/e2e/test_rehearsal.py) spends most of its ~4 minutes waiting on its cloud:
-`ray up`, a spot notice's deadline, Ray noticing a cut node. Its nodes live in network
-namespaces, as other Unix users with their own homes and Ray temp dirs, so it shares nothing
-with the other tests but the CPUs; it runs beside them instead of after them. Its output is
-kept in a file and printed when both lanes are done.
+- **main**: the unit tier and every module but the two below, one after another.
+- **beside**: tests/e2e/test_rehearsal.py (~5 minutes, mostly waiting on its cloud: `ray up`,
+  a spot notice's deadline, Ray noticing a cut node; its nodes live in network namespaces, as
+  other Unix users, so it shares only the CPUs), then tests/integration/test_code_tenant.py in
+  namespaces of its own (``unshare --net --pid --mount``): its attacker job joins every Ray it
+  can see and reads every folder it may, and must find only its own test's. Its own loopback,
+  process table and /tmp/ray hide the main lane's Rays from it. The namespaces' first process
+  (:func:`init`) reaps orphans, as an init must; when it exits the kernel stops what is left.
 
-The code tenant's test runs alone afterwards: its attacker job joins every Ray it sees on the
-machine (it found the rehearsal's and failed there), and must find only its own test's.
-The exit status is the first non-zero of the three runs'.
+The beside lane's output is kept in a file and printed when both are done. The exit status is
+the first non-zero of the runs'.
 
-    python tests/lanes.py [pytest args for the main lane...]
+    python tests/lanes.py [pytest args for the main lane and the code tenant...]
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BESIDE = "tests/e2e/test_rehearsal.py"
-ALONE = "tests/integration/test_code_tenant.py"
+REHEARSAL = "tests/e2e/test_rehearsal.py"
+CODE_TENANT = "tests/integration/test_code_tenant.py"
+LANE_RAY_DIR = "/tmp/ray"  # what Ray and `ray start` use when RAY_TMPDIR is unset
+PYTEST = [sys.executable, "-m", "pytest"]
 
 
 def wait(*procs: subprocess.Popen) -> list[int]:
@@ -41,24 +46,56 @@ def wait(*procs: subprocess.Popen) -> list[int]:
         raise
 
 
+def init(argv: list[str]) -> int:
+    """Process 1 of the code tenant's namespaces: bring up loopback, give them their own
+    /tmp/ray, run ``argv`` and reap every orphan until it ends (a process whose parent died is
+    handed to process 1; unreaped, it stays a zombie that tests would count as running)."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    own = tempfile.mkdtemp(prefix="ray-lane-")  # not etrain-*: tests look there for staging copies
+    os.makedirs(LANE_RAY_DIR, exist_ok=True)
+    subprocess.run(["mount", "--bind", own, LANE_RAY_DIR], check=True)
+    child = subprocess.Popen(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # process 1 ignores signals it has no handler for
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except InterruptedError:
+            continue
+        if pid == child.pid:
+            subprocess.run(["umount", "--lazy", LANE_RAY_DIR], check=False)
+            subprocess.run(["rm", "-rf", own], check=False)
+            return os.waitstatus_to_exitcode(status)
+
+
+def beside(argv: list[str]) -> int:
+    """The rehearsal, then the code tenant in its namespaces; the first non-zero exit status."""
+    rehearsal = subprocess.run([*PYTEST, REHEARSAL, "-q", "-p", "no:cacheprovider", "--durations=5"], cwd=REPO)
+    sys.stdout.flush()
+    isolated = subprocess.run(["unshare", "--net", "--pid", "--fork", "--mount-proc", "--propagation", "private",
+                               sys.executable, __file__, "--init", "--", *PYTEST, CODE_TENANT, *argv], cwd=REPO)
+    return rehearsal.returncode or isolated.returncode
+
+
 def main(argv: list[str]) -> int:
-    pytest = [sys.executable, "-m", "pytest"]
-    log = Path(tempfile.mkstemp(prefix="etrain-rehearsal-lane-", suffix=".log")[1])
     started = time.monotonic()
+    log = Path(tempfile.mkstemp(prefix="etrain-beside-lane-", suffix=".log")[1])
     with log.open("w") as out:
-        beside = subprocess.Popen([*pytest, BESIDE, "-q", "-p", "no:cacheprovider", "--durations=5"], cwd=REPO,
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    main_lane = subprocess.Popen([*pytest, "tests", "--ignore=tests/gpu", f"--ignore={BESIDE}", f"--ignore={ALONE}",
-                                  *argv], cwd=REPO, start_new_session=True)
-    main_code, beside_code = wait(main_lane, beside)
-    print(f"\n---- {BESIDE} (ran beside the tests above; its log: {log})")
-    print(log.read_text()[-20000:])
-    print(f"---- {ALONE}, alone on the machine")
-    (alone_code,) = wait(subprocess.Popen([*pytest, ALONE, *argv], cwd=REPO, start_new_session=True))
-    print(f"---- all done in {time.monotonic() - started:.0f} s: main exit {main_code}, rehearsal exit {beside_code}, "
-          f"code tenant exit {alone_code}")
-    return main_code or beside_code or alone_code
+        side = subprocess.Popen([sys.executable, __file__, "--beside", "--", *argv], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    main_lane = subprocess.Popen([*PYTEST, "tests", "--ignore=tests/gpu", f"--ignore={REHEARSAL}",
+                                  f"--ignore={CODE_TENANT}", *argv], cwd=REPO, start_new_session=True)
+    main_code, side_code = wait(main_lane, side)
+    print(f"\n---- {REHEARSAL}, then {CODE_TENANT} in namespaces of its own (ran beside the tests above; "
+          f"its log: {log})")
+    print(log.read_text()[-30000:])
+    print(f"---- all done in {time.monotonic() - started:.0f} s: main exit {main_code}, beside exit {side_code}")
+    return main_code or side_code
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--init"]:
+        sys.exit(init(sys.argv[3:]))
+    if sys.argv[1:2] == ["--beside"]:
+        sys.exit(beside(sys.argv[3:]))
     sys.exit(main(sys.argv[1:]))
