@@ -15,6 +15,7 @@ import os
 import posixpath
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -28,6 +29,7 @@ from trainers.history import MetricsHistory
 TENSORBOARD_DIR = "tensorboard"
 COST_FILE = "cost.json"
 PROFILES_DIR = "profiles"
+TB_EVENTS_PREFIX = "events.out.tfevents."  # what TensorBoard looks for in a file's name
 TB_SCALARS = ("loss", "learning_rate", "samples_per_s", "tokens_per_s", "step_time_s", "data_wait_fraction",
               "world_size", "goodput", "cost_usd")
 
@@ -219,12 +221,16 @@ class TensorBoard:
     """Event files written locally by rank 0 and copied to ``<job>/tensorboard/`` at each flush,
     so `tensorboard --logdir <root>/<job>/tensorboard` (or s3://...) shows the run as it goes.
 
-    Each flush closes the current event file, uploads it, and starts the next (TensorBoard reads a
-    folder's event files in order): a flush moves only the events since the last, where copying
-    the one growing file would move the whole run's events again at every checkpoint."""
+    Each flush closes the current event file, uploads it, and starts the next: a flush moves only
+    the events since the last, where copying the one growing file would move the whole run's events
+    again at every checkpoint. TensorBoard reads a folder's event files in the order of their names
+    and drops what goes back in steps, so each is stored under a name that sorts in upload order
+    (the writer's own names end in a counter that sorts 10 before 9 within a second)."""
 
     def __init__(self, root: StorageRoot, spec: JobSpec, job: str, local: str):
         self.root, self.job, self.local = root, job, local
+        self._lock = threading.Lock()  # the training thread logs while the checkpoint thread flushes
+        self._uploaded = 0
         self.writer = self._open()
         t = spec.training
         hparams = {"batch_size": t.batch_size, "learning_rate": t.learning_rate, "optimizer": t.optimizer,
@@ -234,9 +240,10 @@ class TensorBoard:
         self.writer.add_hparams(hparams, {"hparams/loss": float("nan")}, run_name=".")
 
     def scalars(self, metrics: dict) -> None:
-        for key in TB_SCALARS:
-            if metrics.get(key) is not None:
-                self.writer.add_scalar(f"train/{key}", metrics[key], metrics["step"])
+        with self._lock:
+            for key in TB_SCALARS:
+                if metrics.get(key) is not None:
+                    self.writer.add_scalar(f"train/{key}", metrics[key], metrics["step"])
 
     def close(self) -> None:
         self.writer.close()
@@ -249,15 +256,19 @@ class TensorBoard:
 
     def upload(self) -> None:
         """Upload the events written since the last upload (each closed file once, then removed)."""
-        self.writer.close()
-        for dirpath, _, files in os.walk(self.local):
-            for name in sorted(files):
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, self.local)
-                with open(path, "rb") as f:
-                    self.root.write_bytes(f.read(), self.job, TENSORBOARD_DIR, *rel.split(os.sep))
-                os.remove(path)
-        self.writer = self._open()
+        with self._lock:
+            self.writer.close()
+            closed = [os.path.join(d, n) for d, _, files in os.walk(self.local) for n in files]
+            self.writer = self._open()
+        for path in sorted(closed, key=lambda p: os.stat(p).st_mtime_ns):
+            folder = os.path.relpath(os.path.dirname(path), self.local)
+            name = os.path.basename(path).removeprefix(TB_EVENTS_PREFIX)
+            stored = f"{TB_EVENTS_PREFIX}{int(time.time()):010d}.{self._uploaded:06d}.{name}"
+            self._uploaded += 1
+            with open(path, "rb") as f:
+                self.root.write_bytes(f.read(), self.job, TENSORBOARD_DIR,
+                                      *[p for p in folder.split(os.sep) if p != "."], stored)
+            os.remove(path)
 
 
 def profiles_of(root: StorageRoot, job: str) -> list[str]:

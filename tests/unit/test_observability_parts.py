@@ -180,3 +180,37 @@ def test_tensorboard_uploads_only_the_events_since_the_last_flush(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 1.0), (20, 0.5)]
     assert "_hparams_/session_start_info" in acc.PluginTagToContent("hparams")
+
+
+def test_tensorboard_keeps_every_scalar_while_a_flush_runs_beside_it(tmp_path):
+    """The checkpoint thread flushes (closes the event file, starts the next) while the training
+    thread logs: no scalar may go to a closed writer and be lost."""
+    import threading
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cluster.storage import open_root
+    from trainers.config import validate
+    from trainers.observe import TensorBoard
+
+    spec = validate({"name": "tb", "training": {"max_steps": 30}})
+    tb = TensorBoard(open_root(str(tmp_path / "storage")), spec, "tb", str(tmp_path / "local"))
+    done = threading.Event()
+
+    def flushes() -> None:
+        while not done.is_set():
+            tb.upload()
+
+    flusher = threading.Thread(target=flushes)
+    flusher.start()
+    try:
+        for step in range(1, 401):
+            tb.scalars({"step": step, "loss": 1.0 / step})
+    finally:
+        done.set()
+        flusher.join()
+    tb.upload()
+    tb.close()
+    acc = EventAccumulator(str(tmp_path / "storage" / "tb" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 401))
