@@ -388,11 +388,14 @@ def oom_spec(root, name, micro, limit=16):
 def test_out_of_memory_halves_the_micro_batch_and_keeps_the_result(ray_local, tmp_path):
     """A model that fails above micro-batch 16: 'auto' (64 per worker) and a set 64 heal to 16 on
     every rank and end where a run set to 16 from the start ends; the summary says so."""
-    code, fits = run_job(oom_spec(tmp_path, "fits", 16))
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = {16: "fits", "auto": "healed-auto", 64: "healed-64"}
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two at a time: see test_loss_golden's curves
+        (code, fits), *healed_runs = pool.map(lambda m: run_job(oom_spec(tmp_path / names[m], names[m], m)), names)
     assert code == EXIT_OK, fits
     assert fits["micro_batch_size"] == 16 and fits["micro_batch_reductions"] == 0
-    for micro in ("auto", 64):
-        code, healed = run_job(oom_spec(tmp_path, f"healed-{micro}", micro))
+    for code, healed in healed_runs:
         assert code == EXIT_OK, healed
         assert healed["micro_batch_size"] == 16 and healed["micro_batch_reductions"] == 2, healed
         a, b = final_state(fits), final_state(healed)
