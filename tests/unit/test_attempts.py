@@ -1,0 +1,65 @@
+"""The failure budget as `run_attempts` carries it out, over a fake trainer whose fit() fails as
+Ray Train's does when a worker raises (a WorkerGroupError naming each failed rank's exception).
+A real job that fails and resumes within its budget: tests/integration/test_training.py."""
+
+from __future__ import annotations
+
+import pytest
+from ray.train.v2.api.exceptions import WorkerGroupError
+
+from trainers import launch
+from trainers.config import validate
+from trainers.home import job_home
+
+
+class FakeTrainer:
+    """Fails its first ``failures`` fits with a user's error on rank 0, then succeeds."""
+
+    def __init__(self, log: list, failures: int):
+        self.log, self.failures = log, failures
+
+    def fit(self):
+        self.log.append("fit")
+        if len(self.log) <= self.failures:
+            raise WorkerGroupError("rank 0 failed", {0: ValueError(f"user bug at forward call {len(self.log)}")})
+        return type("Result", (), {"metrics": {"step": 20}, "checkpoint": None})()
+
+
+def flaky_spec(root, max_failures: int):
+    return validate({"name": "flaky", "checkpoint": {"storage_root": str(root)},
+                     "fault_tolerance": {"max_failures": max_failures}})
+
+
+def attempts(tmp_path, monkeypatch, max_failures: int, failures: int):
+    spec = flaky_spec(tmp_path, max_failures)
+    fits, previous, said = [], [], []
+
+    def build_trainer(spec, home, runtime, data_uri, stop_at_step, run_id, previous_failure, *rest):
+        previous.append(previous_failure)
+        return FakeTrainer(fits, failures)
+
+    monkeypatch.setattr(launch, "build_trainer", build_trainer)
+    monkeypatch.setattr(launch, "alive_node_ids", lambda: frozenset({"node"}))
+    runtime = launch.Runtime(use_gpu=False, backend="gloo", mixed_precision="no")
+    result = launch.run_attempts(spec, job_home(spec), runtime, "", None, "run", said.append)
+    return result, fits, previous, said
+
+
+@pytest.mark.parametrize("max_failures", [0, 2])
+def test_a_user_error_beyond_the_budget_gives_up_with_its_message(tmp_path, monkeypatch, max_failures):
+    (metrics, checkpoint, error), fits, previous, said = attempts(tmp_path, monkeypatch, max_failures, failures=99)
+    assert len(fits) == max_failures + 1, "one attempt, then one retry per allowed user failure"
+    assert previous == [None] + ["user_error"] * max_failures, "each retry is told what failed before"
+    assert metrics == {} and checkpoint is None and isinstance(error, WorkerGroupError)
+    assert said[-1].startswith("[etrain] giving up after a user error: WorkerGroupError: rank 0 failed"), said
+    assert f"(user errors {max_failures + 1}/{max_failures}, infrastructure 0)" in said[-1], said
+    spec = flaky_spec(tmp_path, max_failures)
+    summary = launch.make_summary(spec, job_home(spec), metrics, checkpoint, error, wall_time_s=1.0)
+    assert summary["status"] == "failed" and "rank 0 failed" in summary["error"], summary
+
+
+def test_a_user_error_within_the_budget_is_retried_and_the_job_goes_on(tmp_path, monkeypatch):
+    (metrics, _, error), fits, previous, said = attempts(tmp_path, monkeypatch, max_failures=1, failures=1)
+    assert error is None and metrics == {"step": 20} and len(fits) == 2
+    assert previous == [None, "user_error"]
+    assert any("attempt failed: user error (rank 0 failed)" in line for line in said), said
