@@ -1,5 +1,8 @@
 """`etrain run` in a terminal (a real pseudo-terminal) and piped: one live progress line on the
-TTY, plain lines without one, Ray's own chatter only with --verbose."""
+TTY, plain lines without one, Ray's own chatter only with --verbose.
+
+The terminal run and the piped run go side by side: each is mostly process and Ray Train
+start-up, which leaves the cores idle at moments, and the shared Ray has room for both."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import sys
 import termios
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -65,8 +69,26 @@ def run_in_terminal(cmd: list[str], env: dict[str, str], timeout_s: float = 300)
     return proc.wait(60), b"".join(chunks).decode(errors="replace")
 
 
-def test_on_a_terminal_progress_is_one_live_line_and_ray_is_quiet(ray_local, tmp_path):
-    code, raw = run_in_terminal(command(tmp_path, "tty"), environment(ray_local))
+@pytest.fixture(scope="module")
+def tty_and_piped(ray_local, tmp_path_factory):
+    """(rc, output) of `etrain run` in a terminal, and the same run piped (rc, stdout, stderr), run at once."""
+    env, folder = environment(ray_local), tmp_path_factory.mktemp("console")
+    with open(folder / "piped.out", "w") as out, open(folder / "piped.err", "w") as err:
+        piped = subprocess.Popen(command(folder / "piped-root", "piped"), stdout=out, stderr=err, cwd=REPO, env=env)
+        try:
+            tty = run_in_terminal(command(folder / "tty-root", "tty"), env)
+            piped.wait(300)
+        finally:
+            if piped.poll() is None:
+                piped.kill()
+                piped.wait(60)
+    return SimpleNamespace(tty=tty, piped=SimpleNamespace(returncode=piped.returncode,
+                                                          stdout=(folder / "piped.out").read_text(),
+                                                          stderr=(folder / "piped.err").read_text()))
+
+
+def test_on_a_terminal_progress_is_one_live_line_and_ray_is_quiet(tty_and_piped):
+    code, raw = tty_and_piped.tty
     text = strip_ansi(raw)
     assert code == 0, text[-3000:]
     steps = [int(m.group(1)) for m in LIVE_LINE.finditer(text)]
@@ -78,9 +100,8 @@ def test_on_a_terminal_progress_is_one_live_line_and_ray_is_quiet(ray_local, tmp
     assert "[etrain] job 'tty': storage" in text and "[etrain] job tty: succeeded at step 30/30" in text
 
 
-def test_without_a_terminal_progress_is_plain_lines(ray_local, tmp_path):
-    proc = subprocess.run(command(tmp_path, "piped"), capture_output=True, text=True, cwd=REPO,
-                          env=environment(ray_local), timeout=300)
+def test_without_a_terminal_progress_is_plain_lines(tty_and_piped):
+    proc = tty_and_piped.piped
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     lines = proc.stdout.splitlines()
     progress = [line for line in lines if line.startswith("[etrain] step ")]

@@ -1,5 +1,7 @@
 """The job page as a person sees it, in headless Chromium: a real job through the service, with
 one interruption (a user bug the retry outlives), watched while it runs and after it ends.
+The retried run waits at its first step until the test has looked at the running page
+(tests/fixtures/pagepkg.py), then runs to its end at full speed.
 
 Screenshots (the jobs list, the job page during and after the run) are kept under
 ``artifacts/screenshots/`` in the repository (or $ETRAIN_ARTIFACTS_DIR); the test prints where.
@@ -24,13 +26,14 @@ pytestmark = pytest.mark.ray
 TOKEN = "page-viewer-0123456789abcdef"
 REPO = Path(__file__).resolve().parents[2]
 CODE_PATH = f"{REPO}:{REPO / 'tests' / 'fixtures'}"
-TARGET = 240
+TARGET = 80  # fails at 40, waits at 50 while the page is watched, then 30 steps at full speed
 ARTIFACTS = Path(os.environ.get("ETRAIN_ARTIFACTS_DIR") or REPO / "artifacts") / "screenshots"
 
 
 @pytest.fixture(scope="module")
 def watched(ray_local, tmp_path_factory):
-    """The service, and a job that fails once at step 40 and resumes from its checkpoint."""
+    """The service, and a job that fails once at step 40, resumes from its checkpoint and waits there
+    while ``hold`` exists."""
     from ray import serve
     from ray._private.worker import get_dashboard_url
 
@@ -44,27 +47,30 @@ def watched(ray_local, tmp_path_factory):
     work = tmp_path_factory.mktemp("page")
     settings = ServiceSettings(storage_root=str(work / "root"), state_dir=str(work / "state"),
                                ray_dashboard_url=f"http://{get_dashboard_url()}", reconcile_interval_s=1,
-                               stop_wait_s=30, factory_modules=["userpkg"], tenant_env={"team-p": {"PYTHONPATH": CODE_PATH}})
+                               stop_wait_s=30, factory_modules=["userpkg", "pagepkg"],
+                               tenant_env={"team-p": {"PYTHONPATH": CODE_PATH}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(JobService.bind(settings.model_dump(), [TokenEntry(tenant="team-p", role="user", token=TOKEN)
                                                       .model_dump(exclude={"token"})]), name="etrain", route_prefix="/")
     url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {TOKEN}"}
+    hold = work / "hold"
+    hold.touch()
     spec = {"name": "watched", "training": {"batch_size": 30, "learning_rate": 0.05, "max_steps": TARGET,
                                             "log_interval_steps": 5},
             "distributed": {"num_workers": 1}, "checkpoint": {"interval": 10, "min_interval_s": 0},
             "fault_tolerance": {"max_failures": 1},
-            # 0.1 s a step: the run after the interruption lasts about 20 s, long enough to be watched.
-            "model": {"factory": "userpkg:flaky_model",
-                      "options": {"marker": str(work / "failed-once"), "fail_at": 40, "delay_s": 0.1}},
+            "model": {"factory": "pagepkg:held_after_failure",
+                      "options": {"marker": str(work / "failed-once"), "fail_at": 40, "hold": str(hold)}},
             "data": {"factory": "userpkg:make_data"}}
     job = requests.post(f"{url}/v1/jobs", json=spec, headers=headers, timeout=60).json()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     print(f"\n[test] screenshots of the page go to {ARTIFACTS}")
     try:
-        yield SimpleNamespace(url=url, headers=headers, job=job["id"], work=work,
+        yield SimpleNamespace(url=url, headers=headers, job=job["id"], work=work, hold=hold,
                               folder=work / "root" / "tenants" / "team-p" / job["id"])
     finally:
+        hold.unlink(missing_ok=True)  # a test that failed before letting the run go leaves no job waiting in Ray
         serve.delete("etrain")
         serve.shutdown()
 
@@ -135,7 +141,7 @@ def test_the_job_page_during_and_after_a_run_with_an_interruption(watched, tmp_p
         browser.eval("window.__sameLoad = 'during'")  # gone if the page ever reloads
         during = wait_for(lambda: (lambda s: s if s["steps"] and s["marks"] else None)(look(browser)),
                           60, "the curves with their interruption marker")
-        assert during["state"] == "RUNNING", "the run ended before the page was seen running: slow the job down"
+        assert during["state"] == "RUNNING", f"the held run shows {during['state']} on the page, not RUNNING"
         assert 0 < during["value"] < during["max"] == TARGET
         assert during["axis"] == "step" and during["steps"] == sorted(during["steps"]) and during["steps"][0] == 5
         (mark,) = during["marks"]
@@ -147,6 +153,7 @@ def test_the_job_page_during_and_after_a_run_with_an_interruption(watched, tmp_p
         legend = browser.eval("[...document.querySelectorAll('#loss-chart .u-legend .u-value')].map(v => v.textContent)")
         assert re.fullmatch(r"\d+", legend[0]) and re.fullmatch(r"[\d.]+(e-?\d+)?", legend[1]), legend  # step, loss
         browser.screenshot(ARTIFACTS / "job-during.png", full_page=True)
+        watched.hold.unlink()  # let the run go on
         progressed = wait_for(lambda: (lambda s: s if s["value"] > during["value"] else None)(look(browser)),
                               60, "the progress to move without a reload")
         assert progressed["sameLoad"], "the page reloaded to refresh"

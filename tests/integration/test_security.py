@@ -1,6 +1,7 @@
 """Issue 13's attacks on a real service (Ray Serve on a local Ray, real jobs, headless Chromium):
 a `user` tenant cannot run code or read another tenant's data, the page escapes everything,
-hostile bodies get a quick 4xx, sweeps stay inside the quota. One service for the whole module.
+hostile bodies get a quick 4xx, sweeps stay inside the quota. One service for the whole module,
+and one real job (alice's, on her own data): the tests that need a job share it.
 A `code` tenant's job against the service's state: tests/integration/test_code_tenant.py."""
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from conftest import free_port
 from waiting import wait_for
 
 pytestmark = pytest.mark.ray
-TOKENS = {"alice": ("team-a", "user"), "bob": ("team-b", "user"),
-          "root": ("ops", "admin"), "sweeper": ("team-s", "user")}
+TOKENS = {"alice": ("team-a", "user"), "bob": ("team-b", "user"), "root": ("ops", "admin")}
 PAYLOAD = "<img src=x onerror=window.__pwned=1>"
 REPO = Path(__file__).resolve().parents[2]
 CODE_PATH = f"{REPO}:{REPO / 'tests' / 'fixtures'}"
@@ -52,7 +52,7 @@ def service(ray_local, tmp_path_factory):
     settings = ServiceSettings(
         storage_root=str(work / "root"), state_dir=str(work / "state"),
         ray_dashboard_url=f"http://{get_dashboard_url()}", reconcile_interval_s=1, stop_wait_s=30,
-        factory_modules=["userpkg"], tenant_quotas={"team-s": 3},
+        factory_modules=["userpkg"], tenant_quotas={"team-a": 3},
         # Where the operator's allowed modules (tests/fixtures here) are installed, for the tenants that use them.
         tenant_env={"team-a": {"PYTHONPATH": CODE_PATH}})
     tokens = [TokenEntry(tenant=t, role=r, token=token_of(w)).model_dump(exclude={"token"})
@@ -84,6 +84,30 @@ def wait_done(svc, job_id: str, who: str) -> dict:
         r = api(svc, "GET", f"/v1/jobs/{job_id}", who).json()
         return r if r["state"] in ("SUCCEEDED", "FAILED", "STOPPED") else None
     return wait_for(done, 300, f"job {job_id} to finish", poll_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def alices_job(service):
+    """Alice's one real job: it reads her own data (named relative to her prefix) with a model from
+    the operator's allowed modules. Submitted when first asked for, so the quota test sees it hold
+    its slot; the tests after it wait for it to succeed. Nothing is left running after the module."""
+    mine = service.root / "tenants" / "team-a" / "data"
+    mine.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"features": [[float(i % 3), 1.0, 0.0, 0.5] for i in range(96)],
+                             "label": [i % 3 for i in range(96)]}), mine / "blobs.parquet")
+    submitted = api(service, "POST", "/v1/jobs", json=quick_job("mine", data={"source": "data/blobs.parquet"},
+                                                                 model={"factory": "userpkg:make_model"}))
+    yield submitted
+    if submitted.status_code == 201:
+        wait_done(service, submitted.json()["id"], "alice")
+
+
+def succeeded(svc, job) -> dict:
+    """The shared job, once it has ended: it must have succeeded (else its log says why)."""
+    assert job.status_code == 201, job.text
+    done = wait_done(svc, job.json()["id"], "alice")
+    assert done["state"] == "SUCCEEDED", (done["error"], done["history"], api(svc, "GET", f"/v1/jobs/{done['id']}/logs").text[-3000:])
+    return done
 
 
 def replica_pid() -> int:
@@ -139,7 +163,33 @@ def test_a_user_tenant_cannot_run_a_command_and_nothing_runs(service):
     assert api(service, "GET", "/v1/sweeps", "root").json()["total"] == sweeps_before
 
 
-def test_a_user_reads_only_its_own_data_and_runs_allowed_factories(service):
+# ---------------------------------------------------------------- sweeps and the quota
+
+
+def sweep_body(**sweep) -> dict:
+    return {**quick_job("sw"), "sweep": {"space": {"training.learning_rate": {"choice": [0.01, 0.02]}}, **sweep}}
+
+
+def test_sweeps_count_against_the_quota_and_cannot_sweep_ownership(service, alices_job):
+    # Alice's job was just submitted: it holds 1 of her 3 slots until it ends (seconds from now).
+    assert alices_job.status_code == 201, alices_job.text
+    many = api(service, "POST", "/v1/sweeps", json=sweep_body(num_samples=10000))
+    assert many.status_code == 429 and "runs 10000 trials, role 'user' may run at most 64" in many.json()["detail"]
+    wide = api(service, "POST", "/v1/sweeps", json=sweep_body(num_samples=8, max_concurrent_trials=1000))
+    assert wide.status_code == 429 and "quota of 3 slots" in wide.json()["detail"] and "needs 8" in wide.json()["detail"]
+    grid = api(service, "POST", "/v1/sweeps", json={**quick_job("sw"), "sweep": {
+        "search": "grid", "space": {"training.seed": {"choice": list(range(10))},
+                                    "training.learning_rate": {"choice": [0.1, 0.01, 0.001, 0.0001, 0.00001, 0.2, 0.3]}}}})
+    assert grid.status_code == 429 and "runs 70 trials" in grid.json()["detail"]  # search: grid enumerates choices
+    owner = api(service, "POST", "/v1/sweeps",
+                json={**quick_job("sw"), "sweep": {"space": {"labels.tenant": {"choice": ["team-a", "team-b"]}}}})
+    assert owner.status_code == 403 and "sweep.space.labels.tenant: not searchable" in owner.text
+    full = api(service, "POST", "/v1/sweeps", json=sweep_body(num_samples=3, max_concurrent_trials=3))
+    assert full.status_code == 429 and "holds 1 of its quota of 3" in full.json()["detail"], full.text
+    assert api(service, "GET", "/v1/sweeps", "root").json()["total"] == 0  # none of them started
+
+
+def test_a_user_reads_only_its_own_data_and_runs_allowed_factories(service, alices_job):
     team_b = service.root / "tenants" / "team-b" / "data"
     team_b.mkdir(parents=True)
     pq.write_table(pa.table({"features": [[0.0, 1.0, 2.0, 3.0]] * 64, "label": [1] * 64}), team_b / "secret.parquet")
@@ -154,28 +204,36 @@ def test_a_user_reads_only_its_own_data_and_runs_allowed_factories(service):
         assert "service.sqlite3" not in r.text.replace(source, "") and "records" not in r.text  # lists nothing
         assert str(service.root) not in r.text.replace(source, "")  # the value as given, no server path added
 
-    # Its own prefix, given relative to it, with factories from the operator's list: runs.
-    mine = service.root / "tenants" / "team-a" / "data"
-    mine.mkdir(parents=True)
-    pq.write_table(pa.table({"features": [[float(i % 3), 1.0, 0.0, 0.5] for i in range(96)],
-                             "label": [i % 3 for i in range(96)]}), mine / "blobs.parquet")
-    ok = api(service, "POST", "/v1/jobs", json=quick_job("mine", data={"source": "data/blobs.parquet"},
-                                                          model={"factory": "userpkg:make_model"}))
-    assert ok.status_code == 201, ok.text
-    assert ok.json()["spec"]["data"]["source"] == "data/blobs.parquet"  # shown relative, as given
-    done = wait_done(service, ok.json()["id"], "alice")
-    assert done["state"] == "SUCCEEDED", api(service, "GET", f"/v1/jobs/{done['id']}/logs").text[-2000:]
+    # Its own prefix, given relative to it, with factories from the operator's list: alice's job runs.
+    assert alices_job.status_code == 201, alices_job.text
+    assert alices_job.json()["spec"]["data"]["source"] == "data/blobs.parquet"  # shown relative, as given
+    succeeded(service, alices_job)
+
+
+# ---------------------------------------------------------------- what answers reveal
+
+
+def test_answers_carry_no_server_paths_and_healthz_says_only_ok(service, alices_job):
+    assert requests.get(service.url + "/healthz", timeout=30).json() == {"status": "ok"}
+    done = succeeded(service, alices_job)
+    jobs = api(service, "GET", "/v1/jobs", "alice").json()["items"]
+    texts = [json.dumps(jobs), api(service, "GET", f"/v1/jobs/{done['id']}/checkpoints").text,
+             api(service, "GET", f"/v1/jobs/{done['id']}/logs").text, json.dumps(api(service, "GET", "/v1/jobs",
+                                                                                     "root").json())]
+    for text in texts:
+        assert str(service.root) not in text and str(service.state) not in text
+    assert done["spec_uri"] == f"specs/{done['id']}.json" and done["storage"] == done["id"]
+    checkpoints = api(service, "GET", f"/v1/jobs/{done['id']}/checkpoints").json()
+    assert checkpoints[-1]["uri"].startswith(f"{done['id']}/checkpoints/")
 
 
 # ---------------------------------------------------------------- the page, in Chromium
 
 
-def test_xss_payloads_come_back_escaped_and_no_script_runs(service, tmp_path):
+def test_xss_payloads_come_back_escaped_and_no_script_runs(service, alices_job, tmp_path):
     from browser import Browser
 
-    job = api(service, "POST", "/v1/jobs", "alice", json=quick_job("page")).json()["id"]
-    done = wait_done(service, job, "alice")
-    assert done["state"] == "SUCCEEDED", (done["error"], done["history"], done["summary"], api(service, "GET", f"/v1/jobs/{job}/logs").text)
+    job = succeeded(service, alices_job)["id"]
     folder = service.root / "tenants" / "team-a" / job  # what a job writes, as a hostile one would
     (folder / "interruptions.json").write_text(json.dumps([{"cause": PAYLOAD, "interrupted_at": PAYLOAD,
                                                             "steps_lost": PAYLOAD, "recovery_s": PAYLOAD}]))
@@ -302,48 +360,3 @@ def test_malformed_requests_are_4xx_and_ids_are_checked(service):
         assert r.status_code == 422 and field in r.text, (body, r.text)  # JSON cannot hold it: never a 500
     login = requests.post(service.url + "/ui/login", data=b"\xff\xfe=%%%", timeout=30)
     assert login.status_code == 401
-
-
-# ---------------------------------------------------------------- sweeps and the quota
-
-
-def sweep_body(**sweep) -> dict:
-    return {**quick_job("sw"), "sweep": {"space": {"training.learning_rate": {"choice": [0.01, 0.02]}}, **sweep}}
-
-
-def test_sweeps_count_against_the_quota_and_cannot_sweep_ownership(service):
-    many = api(service, "POST", "/v1/sweeps", "sweeper", json=sweep_body(num_samples=10000))
-    assert many.status_code == 429 and "runs 10000 trials, role 'user' may run at most 64" in many.json()["detail"]
-    wide = api(service, "POST", "/v1/sweeps", "sweeper", json=sweep_body(num_samples=8, max_concurrent_trials=1000))
-    assert wide.status_code == 429 and "quota of 3 slots" in wide.json()["detail"] and "needs 8" in wide.json()["detail"]
-    grid = api(service, "POST", "/v1/sweeps", "sweeper", json={**quick_job("sw"), "sweep": {
-        "search": "grid", "space": {"training.seed": {"choice": list(range(10))},
-                                    "training.learning_rate": {"choice": [0.1, 0.01, 0.001, 0.0001, 0.00001, 0.2, 0.3]}}}})
-    assert grid.status_code == 429 and "runs 70 trials" in grid.json()["detail"]  # search: grid enumerates choices
-    owner = api(service, "POST", "/v1/sweeps", "sweeper",
-                json={**quick_job("sw"), "sweep": {"space": {"labels.tenant": {"choice": ["team-a", "team-b"]}}}})
-    assert owner.status_code == 403 and "sweep.space.labels.tenant: not searchable" in owner.text
-    job = api(service, "POST", "/v1/jobs", "sweeper", json=quick_job("one"))
-    assert job.status_code == 201
-    full = api(service, "POST", "/v1/sweeps", "sweeper", json=sweep_body(num_samples=3, max_concurrent_trials=3))
-    assert full.status_code == 429 and "holds 1 of its quota of 3" in full.json()["detail"]
-    wait_done(service, job.json()["id"], "sweeper")
-    assert api(service, "GET", "/v1/sweeps", "root").json()["total"] == 0  # none of them started
-
-
-# ---------------------------------------------------------------- what answers reveal
-
-
-def test_answers_carry_no_server_paths_and_healthz_says_only_ok(service):
-    assert requests.get(service.url + "/healthz", timeout=30).json() == {"status": "ok"}
-    done = wait_done(service, api(service, "POST", "/v1/jobs", "alice", json=quick_job("paths")).json()["id"], "alice")
-    assert done["state"] == "SUCCEEDED", json.dumps(done)[-3000:]
-    jobs = api(service, "GET", "/v1/jobs", "alice").json()["items"]
-    texts = [json.dumps(jobs), api(service, "GET", f"/v1/jobs/{done['id']}/checkpoints").text,
-             api(service, "GET", f"/v1/jobs/{done['id']}/logs").text, json.dumps(api(service, "GET", "/v1/jobs",
-                                                                                     "root").json())]
-    for text in texts:
-        assert str(service.root) not in text and str(service.state) not in text
-    assert done["spec_uri"] == f"specs/{done['id']}.json" and done["storage"] == done["id"]
-    checkpoints = api(service, "GET", f"/v1/jobs/{done['id']}/checkpoints").json()
-    assert checkpoints[-1]["uri"].startswith(f"{done['id']}/checkpoints/")

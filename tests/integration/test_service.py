@@ -1,4 +1,9 @@
-"""The job service on a real Ray Serve (127.0.0.1) over a real local Ray running real jobs."""
+"""The job service on a real Ray Serve (127.0.0.1) over a real local Ray running real jobs.
+
+Each job costs a Ray Train start (seconds of CPU on a small machine), so tests share them:
+alice's quick job (submitted over HTTP with an Idempotency-Key) and bob's job (submitted with
+the CLI) serve every test that needs a job of theirs.
+"""
 
 from __future__ import annotations
 
@@ -75,8 +80,19 @@ def wait_state(svc, job_id: str, states: set[str], timeout_s: float = 240, who: 
     return wait_for(done, timeout_s, f"job {job_id} to reach {states}", poll_s=0.5)
 
 
-def test_submit_run_stop_resume_over_http(service):
-    quick = api(service, "POST", "/v1/jobs", json=job_spec("quick", 30), headers={"Idempotency-Key": "q1"})
+QUICK_KEY = "q1"
+
+
+@pytest.fixture(scope="module")
+def quick(service):
+    """Alice's 30-step job, submitted with an Idempotency-Key; the answer to that first submit."""
+    submitted = api(service, "POST", "/v1/jobs", json=job_spec("quick", 30), headers={"Idempotency-Key": QUICK_KEY})
+    yield submitted
+    if submitted.status_code == 201:  # nothing left running after the module, whichever tests ran
+        wait_state(service, submitted.json()["id"], {"SUCCEEDED", "FAILED"})
+
+
+def test_submit_run_stop_resume_over_http(service, quick):
     long_ = api(service, "POST", "/v1/jobs", data=json.dumps(job_spec("long", 200000, workers=2)).encode(),
                 headers={"Content-Type": "application/yaml"})  # YAML is a superset of JSON
     assert quick.status_code == 201 and long_.status_code == 201, (quick.text, long_.text)
@@ -137,23 +153,42 @@ def test_invalid_sweep_space_names_the_path(service):
     assert r.status_code == 422 and "sweep.space.training.batch_size.choice: []: empty" in r.text
 
 
-def test_limits_body_size_quota_and_idempotency(service):
+def test_limits_body_size_quota_and_idempotency(service, quick):
     big = {"name": "big", "data": {"options": {"pad": "x" * 70000}}}
     assert api(service, "POST", "/v1/jobs", json=big).status_code == 413
     r = api(service, "POST", "/v1/jobs", "fuzz", json=job_spec("q", 5))
     assert r.status_code == 429 and "quota of 0 slots" in r.json()["detail"]
-    key = uuid.uuid4().hex
-    first = api(service, "POST", "/v1/jobs", json=job_spec("once", 5), headers={"Idempotency-Key": key})
-    again = api(service, "POST", "/v1/jobs", json=job_spec("once", 5), headers={"Idempotency-Key": key})
-    assert (first.status_code, again.status_code) == (201, 200) and first.json()["id"] == again.json()["id"]
-    other = api(service, "POST", "/v1/jobs", json=job_spec("other", 5), headers={"Idempotency-Key": key})
+    # The quick job's submit, sent again with its key: the same job, not a second one.
+    again = api(service, "POST", "/v1/jobs", json=job_spec("quick", 30), headers={"Idempotency-Key": QUICK_KEY})
+    assert (quick.status_code, again.status_code) == (201, 200) and quick.json()["id"] == again.json()["id"]
+    other = api(service, "POST", "/v1/jobs", json=job_spec("other", 5), headers={"Idempotency-Key": QUICK_KEY})
     assert other.status_code == 409 and "different body" in other.json()["detail"]
-    wait_state(service, first.json()["id"], {"SUCCEEDED", "FAILED"})
 
 
-def test_tenants_see_only_their_own(service):
-    a = api(service, "POST", "/v1/jobs", "alice", json=job_spec("mine", 5)).json()["id"]
-    b = api(service, "POST", "/v1/jobs", "bob", json=job_spec("theirs", 5)).json()["id"]
+def etrain(service, *args: str, who: str | None = "alice"):
+    import subprocess
+    import sys
+
+    env_args = ["--server", service.url] + (["--token", token_of(who)] if who else [])
+    cmd = [sys.executable, "-m", "service.cli", *args[:2], *env_args, *args[2:]] if args[0] in ("jobs", "sweeps") \
+        else [sys.executable, "-m", "service.cli", args[0], *env_args, *args[1:]]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def bobs_cli_job(service, tmp_path_factory):
+    """Bob's job, submitted with the CLI (`etrain submit --json`): the CLI test's and the tenants test's."""
+    spec = tmp_path_factory.mktemp("cli") / "cli-job.yaml"
+    spec.write_text("training: {batch_size: 64, max_steps: 5}\ndistributed: {num_workers: 1}\n")
+    out = etrain(service, "submit", str(spec), "--json", who="bob")
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    yield SimpleNamespace(out=out, record=record)
+    wait_state(service, record["id"], {"SUCCEEDED", "FAILED"}, who="bob")  # nothing left running after the module
+
+
+def test_tenants_see_only_their_own(service, quick, bobs_cli_job):
+    a, b = quick.json()["id"], bobs_cli_job.record["id"]
     assert api(service, "GET", "/v1/jobs", None).status_code == 401
     assert api(service, "GET", f"/v1/jobs/{a}", None).status_code == 401
     wrong = requests.get(service.url + "/v1/jobs", headers={"Authorization": "Bearer nope"}, timeout=30)
@@ -168,7 +203,6 @@ def test_tenants_see_only_their_own(service):
     everyone = {j["id"] for j in api(service, "GET", "/v1/jobs", "root").json()["items"]}
     assert {a, b} <= everyone
     assert api(service, "GET", f"/v1/jobs/{a}", "root").json()["tenant"] == "team-a"
-    wait_state(service, a, {"SUCCEEDED", "FAILED"})
     wait_state(service, b, {"SUCCEEDED", "FAILED"}, who="bob")
 
 
@@ -194,29 +228,15 @@ def test_a_sweep_over_http_runs_its_trials_and_reports_the_best(service):
     assert sweep_id in {s["id"] for s in api(service, "GET", "/v1/sweeps").json()["items"]}
 
 
-def etrain(service, *args: str, who: str | None = "alice"):
-    import subprocess
-    import sys
-
-    env_args = ["--server", service.url] + (["--token", token_of(who)] if who else [])
-    cmd = [sys.executable, "-m", "service.cli", *args[:2], *env_args, *args[2:]] if args[0] in ("jobs", "sweeps") \
-        else [sys.executable, "-m", "service.cli", args[0], *env_args, *args[1:]]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
-
-
-def test_the_cli_client_submits_lists_and_explains_errors(service, tmp_path):
-    spec = tmp_path / "cli-job.yaml"
-    spec.write_text("training: {batch_size: 64, max_steps: 5}\ndistributed: {num_workers: 1}\n")
-    out = etrain(service, "submit", str(spec), "--json")
-    assert out.returncode == 0, out.stderr
-    record = json.loads(out.stdout)
-    assert record["name"] == "cli-job" and record["state"] in ("RUNNING", "PENDING")
-    listed = etrain(service, "jobs", "list")
+def test_the_cli_client_submits_lists_and_explains_errors(service, bobs_cli_job, tmp_path):
+    out, record = bobs_cli_job.out, bobs_cli_job.record
+    assert record["name"] == "cli-job" and record["state"] in ("RUNNING", "PENDING"), out.stdout
+    listed = etrain(service, "jobs", "list", who="bob")
     assert listed.returncode == 0 and record["id"] in listed.stdout and "STATE" in listed.stdout
     assert max(len(line) for line in listed.stdout.splitlines()) <= 80
-    shown = etrain(service, "jobs", "get", record["id"])
+    shown = etrain(service, "jobs", "get", record["id"], who="bob")
     assert f"id:         {record['id']}" in shown.stdout and "progress:" in shown.stdout
-    got = etrain(service, "jobs", "get", record["id"], "--json")
+    got = etrain(service, "jobs", "get", record["id"], "--json", who="bob")
     assert json.loads(got.stdout)["id"] == record["id"]
 
     bad = tmp_path / "bad.yaml"
@@ -227,7 +247,7 @@ def test_the_cli_client_submits_lists_and_explains_errors(service, tmp_path):
     assert anonymous.returncode == 1 and "error 401" in anonymous.stderr and "Bearer" in anonymous.stderr
     missing = etrain(service, "jobs", "get", "j-000000000000")
     assert missing.returncode == 1 and "no job 'j-000000000000'" in missing.stderr
-    wait_state(service, record["id"], {"SUCCEEDED", "FAILED"})
+    wait_state(service, record["id"], {"SUCCEEDED", "FAILED"}, who="bob")
 
 
 # ---------------------------------------------------------------- replica and service restarts
@@ -242,6 +262,11 @@ def with_retries(call, what: str, timeout_s: float = 120):
             return None
         return r if r.status_code < 500 else None
     return wait_for(attempt, timeout_s, what, poll_s=0.2)
+
+
+# Two clients submit at once, so the replica dies with requests of both in flight; each of their jobs
+# runs (a record the dying replica stored but never sent to Ray is sent when the submit is retried).
+CLIENTS = 2
 
 
 def test_killing_the_replica_loses_or_doubles_no_submission_and_a_restart_keeps_every_record(service, ray_local):
@@ -262,22 +287,23 @@ def test_killing_the_replica_loses_or_doubles_no_submission_and_a_restart_keeps_
                 with_retries(lambda: api(service, "GET", f"/v1/jobs/{ids[-1]}"), f"client {i}'s poll")
         results[i] = ids
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
     # This Ray's own state API: with other Rays on the machine, list_actors() cannot pick one by itself.
     replica = wait_for(lambda: [a for a in list_actors(address=f"http://{get_dashboard_url()}",
                                                        filters=[("state", "=", "ALIVE")])
                                 if a.class_name.startswith("ServeReplica:etrain:JobService")], 30, "the replica")[0]
-    ray_local.kill(ray_local.get_actor(replica.name, namespace=replica.ray_namespace), no_restart=True)
+    replica = ray_local.get_actor(replica.name, namespace=replica.ray_namespace)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    ray_local.kill(replica, no_restart=True)  # while the clients' first submits are on their way
     for t in threads:
         t.join(300)
-    assert sorted(results) == [0, 1, 2, 3]
+    assert sorted(results) == list(range(CLIENTS))
     for i, ids in results.items():
         assert len(set(ids)) == 1, f"client {i} got {ids}: a retried submit made a second job"
     everyone = with_retries(lambda: api(service, "GET", "/v1/jobs", "root", params={"limit": 500}), "list").json()
     mine = [j for j in everyone["items"] if j["name"].startswith("kill-")]
-    assert sorted(j["name"] for j in mine) == [f"kill-{i}" for i in range(4)]  # none lost, none doubled
+    assert sorted(j["name"] for j in mine) == [f"kill-{i}" for i in range(CLIENTS)]  # none lost, none doubled
     for j in mine:
         done = wait_state(service, j["id"], {"SUCCEEDED", "FAILED"})
         assert done["state"] == "SUCCEEDED" and done["summary"]["final_step"] == 5, done
