@@ -69,12 +69,16 @@ def init(argv: list[str]) -> int:
 
 
 def beside(argv: list[str]) -> int:
-    """The rehearsal, then the code tenant in its namespaces; the first non-zero exit status."""
-    rehearsal = subprocess.run([*PYTEST, REHEARSAL, "-q", "-p", "no:cacheprovider", "--durations=5"], cwd=REPO)
+    """The rehearsal, then the code tenant in its namespaces; the first non-zero exit status.
+    On Ctrl-C each pytest gets its interrupt and is waited for: the rehearsal's fixtures take
+    its cloud down (a cloud left up stops the next rehearsal from starting)."""
+    (rehearsal,) = wait(subprocess.Popen([*PYTEST, REHEARSAL, "-q", "-p", "no:cacheprovider", "--durations=5"],
+                                         cwd=REPO, start_new_session=True))
     sys.stdout.flush()
-    isolated = subprocess.run(["unshare", "--net", "--pid", "--fork", "--mount-proc", "--propagation", "private",
-                               sys.executable, __file__, "--init", "--", *PYTEST, CODE_TENANT, *argv], cwd=REPO)
-    return rehearsal.returncode or isolated.returncode
+    (isolated,) = wait(subprocess.Popen(["unshare", "--net", "--pid", "--fork", "--mount-proc", "--propagation",
+                                         "private", sys.executable, __file__, "--init", "--", *PYTEST, CODE_TENANT,
+                                         *argv], cwd=REPO, start_new_session=True))
+    return rehearsal or isolated
 
 
 def main(argv: list[str]) -> int:

@@ -224,13 +224,15 @@ class TensorBoard:
     Each flush closes the current event file, uploads it, and starts the next: a flush moves only
     the events since the last, where copying the one growing file would move the whole run's events
     again at every checkpoint. TensorBoard reads a folder's event files in the order of their names
-    and drops what goes back in steps, so each is stored under a name that sorts in upload order
-    (the writer's own names end in a counter that sorts 10 before 9 within a second)."""
+    and drops what goes back in steps, so each is stored under a name that sorts in upload order,
+    across attempts too (the writer's own names end in a counter that sorts 10 before 9)."""
 
     def __init__(self, root: StorageRoot, spec: JobSpec, job: str, local: str):
         self.root, self.job, self.local = root, job, local
         self._lock = threading.Lock()  # the training thread logs while the checkpoint thread flushes
         self._uploaded = 0
+        self._dirty, self._closed = True, False  # events since the last upload; closed for good
+        self._suffix = f".{spec.name}"  # in each local file's name: a leaked copy says whose it is
         self.writer = self._open()
         t = spec.training
         hparams = {"batch_size": t.batch_size, "learning_rate": t.learning_rate, "optimizer": t.optimizer,
@@ -241,29 +243,39 @@ class TensorBoard:
 
     def scalars(self, metrics: dict) -> None:
         with self._lock:
+            if self._closed:
+                return
             for key in TB_SCALARS:
                 if metrics.get(key) is not None:
                     self.writer.add_scalar(f"train/{key}", metrics[key], metrics["step"])
+            self._dirty = True
 
     def close(self) -> None:
-        self.writer.close()
+        """End of the attempt (after its last flush); a flush still running after it does nothing."""
+        with self._lock:
+            self._closed = True
+            self.writer.close()
         shutil.rmtree(self.local, ignore_errors=True)
 
     def _open(self):
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(log_dir=self.local)
+        return SummaryWriter(log_dir=self.local, filename_suffix=self._suffix)
 
     def upload(self) -> None:
         """Upload the events written since the last upload (each closed file once, then removed)."""
         with self._lock:
+            if self._closed or not self._dirty:
+                return
             self.writer.close()
             closed = [os.path.join(d, n) for d, _, files in os.walk(self.local) for n in files]
             self.writer = self._open()
+            self._dirty = False
         for path in sorted(closed, key=lambda p: os.stat(p).st_mtime_ns):
             folder = os.path.relpath(os.path.dirname(path), self.local)
             name = os.path.basename(path).removeprefix(TB_EVENTS_PREFIX)
-            stored = f"{TB_EVENTS_PREFIX}{int(time.time()):010d}.{self._uploaded:06d}.{name}"
+            # milliseconds: a later attempt's first upload comes seconds after this one's last
+            stored = f"{TB_EVENTS_PREFIX}{time.time_ns() // 1_000_000:013d}.{self._uploaded:06d}.{name}"
             self._uploaded += 1
             with open(path, "rb") as f:
                 self.root.write_bytes(f.read(), self.job, TENSORBOARD_DIR,

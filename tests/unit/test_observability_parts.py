@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -214,3 +215,33 @@ def test_tensorboard_keeps_every_scalar_while_a_flush_runs_beside_it(tmp_path):
     acc = EventAccumulator(str(tmp_path / "storage" / "tb" / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 401))
+
+
+def test_tensorboard_across_attempts_stores_names_in_upload_order_and_leaves_nothing(tmp_path):
+    """A restart's TensorBoard starts its counter again: its files must still sort after the last
+    attempt's. A flush with nothing new uploads nothing; one that comes after close() (a failing
+    attempt's checkpoint thread) leaves no writer or file behind on rank 0's disk."""
+    from cluster.storage import open_root
+    from trainers.config import validate
+    from trainers.observe import TensorBoard
+
+    spec = validate({"name": "tb-attempts", "training": {"max_steps": 30}})
+    stored = tmp_path / "storage" / "tb" / "tensorboard"
+    order = []
+    for attempt in range(2):
+        local = tmp_path / f"local-{attempt}"
+        tb = TensorBoard(open_root(str(tmp_path / "storage")), spec, "tb", str(local))
+        for step in (10, 20):
+            tb.scalars({"step": step, "loss": 1.0})
+            tb.upload()
+            order += sorted({p.name for p in stored.iterdir()} - set(order))
+        count = len(list(stored.iterdir()))
+        tb.upload()  # nothing new since the last
+        assert len(list(stored.iterdir())) == count
+        assert any("tb-attempts" in p.name for p in local.iterdir()), "a local file names its job"
+        tb.close()
+        tb.upload()
+        tb.scalars({"step": 30, "loss": 1.0})
+        assert not local.exists(), list(local.rglob("*"))
+        time.sleep(0.01)
+    assert sorted(order) == order, order
