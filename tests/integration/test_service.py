@@ -253,14 +253,21 @@ def test_the_cli_client_submits_lists_and_explains_errors(service, bobs_cli_job,
 # ---------------------------------------------------------------- replica and service restarts
 
 
-def with_retries(call, what: str, timeout_s: float = 120):
-    """What a careful client does: retry connection errors and 5xx (a replica being replaced)."""
+def with_retries(call, what: str, timeout_s: float = 120, failures: list | None = None):
+    """What a careful client does: retry connection errors and 5xx (a replica being replaced).
+    ``failures`` collects what each failed try met."""
     def attempt():
         try:
             r = call()
-        except requests.RequestException:
+        except requests.RequestException as exc:
+            if failures is not None:
+                failures.append(f"{what}: {type(exc).__name__}")
             return None
-        return r if r.status_code < 500 else None
+        if r.status_code >= 500:
+            if failures is not None:
+                failures.append(f"{what}: {r.status_code}")
+            return None
+        return r
     return wait_for(attempt, timeout_s, what, poll_s=0.2)
 
 
@@ -274,17 +281,19 @@ def test_killing_the_replica_loses_or_doubles_no_submission_and_a_restart_keeps_
     from ray.util.state import list_actors
 
     results: dict[int, list[str]] = {}
+    failures: list[str] = []  # the tries that met the killed replica
 
     def client(i: int) -> None:
         key, body = f"kill-{uuid.uuid4().hex}", job_spec(f"kill-{i}", 5)
         ids = []
         for _ in range(3):  # the same submit, retried as a client would after a timeout: one job
             r = with_retries(lambda: api(service, "POST", "/v1/jobs", json=body, headers={"Idempotency-Key": key}),
-                             f"client {i}'s submit")
+                             f"client {i}'s submit", failures=failures)
             assert r.status_code in (200, 201), r.text
             ids.append(r.json()["id"])
             for _ in range(5):
-                with_retries(lambda: api(service, "GET", f"/v1/jobs/{ids[-1]}"), f"client {i}'s poll")
+                with_retries(lambda: api(service, "GET", f"/v1/jobs/{ids[-1]}"), f"client {i}'s poll",
+                             failures=failures)
         results[i] = ids
 
     # This Ray's own state API: with other Rays on the machine, list_actors() cannot pick one by itself.
@@ -299,6 +308,7 @@ def test_killing_the_replica_loses_or_doubles_no_submission_and_a_restart_keeps_
     for t in threads:
         t.join(300)
     assert sorted(results) == list(range(CLIENTS))
+    assert failures, "no client request met the killed replica: the kill came after all of them"
     for i, ids in results.items():
         assert len(set(ids)) == 1, f"client {i} got {ids}: a retried submit made a second job"
     everyone = with_retries(lambda: api(service, "GET", "/v1/jobs", "root", params={"limit": 500}), "list").json()
