@@ -194,7 +194,7 @@ MODULE_ORDER = [
     "tests/integration/test_security.py", "tests/integration/test_service.py", "tests/integration/test_sweep.py",
     "tests/integration/test_training.py",
     # Last: its attacker job reads every folder and joins every Ray it can see (`make test` runs it
-    # alone, after the others; so does a plain `pytest tests` this way).
+    # in namespaces of its own, beside the others: tests/lanes.py; a plain `pytest tests` last).
     "tests/integration/test_code_tenant.py",
 ]
 
