@@ -388,11 +388,8 @@ def oom_spec(root, name, micro, limit=16):
 def test_out_of_memory_halves_the_micro_batch_and_keeps_the_result(ray_local, tmp_path):
     """A model that fails above micro-batch 16: 'auto' (64 per worker) and a set 64 heal to 16 on
     every rank and end where a run set to 16 from the start ends; the summary says so."""
-    from concurrent.futures import ThreadPoolExecutor
-
     names = {16: "fits", "auto": "healed-auto", 64: "healed-64"}
-    with ThreadPoolExecutor(max_workers=2) as pool:  # two at a time: see test_loss_golden's curves
-        (code, fits), *healed_runs = pool.map(lambda m: run_job(oom_spec(tmp_path / names[m], names[m], m)), names)
+    (code, fits), *healed_runs = [run_job(oom_spec(tmp_path / names[m], names[m], m)) for m in names]
     assert code == EXIT_OK, fits
     assert fits["micro_batch_size"] == 16 and fits["micro_batch_reductions"] == 0
     for code, healed in healed_runs:
