@@ -268,18 +268,16 @@ class TensorBoard:
             if self._closed or not self._dirty:
                 return
             self.writer.close()
-            closed = [os.path.join(d, n) for d, _, files in os.walk(self.local) for n in files]
+            closed = [entry.path for entry in os.scandir(self.local) if entry.is_file()]  # hparams' too
             self.writer = self._open()
             self._dirty = False
         for path in sorted(closed, key=lambda p: os.stat(p).st_mtime_ns):
-            folder = os.path.relpath(os.path.dirname(path), self.local)
             name = os.path.basename(path).removeprefix(TB_EVENTS_PREFIX)
             # milliseconds: a later attempt's first upload comes seconds after this one's last
             stored = f"{TB_EVENTS_PREFIX}{time.time_ns() // 1_000_000:013d}.{self._uploaded:06d}.{name}"
             self._uploaded += 1
             with open(path, "rb") as f:
-                self.root.write_bytes(f.read(), self.job, TENSORBOARD_DIR,
-                                      *[p for p in folder.split(os.sep) if p != "."], stored)
+                self.root.write_bytes(f.read(), self.job, TENSORBOARD_DIR, stored)
             os.remove(path)
 
 
