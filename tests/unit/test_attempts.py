@@ -21,7 +21,8 @@ class FakeTrainer:
     def fit(self):
         self.log.append("fit")
         if len(self.log) <= self.failures:
-            raise WorkerGroupError("rank 0 failed", {0: ValueError(f"user bug at forward call {len(self.log)}")})
+            error = ValueError(f"user bug at forward call {len(self.log)}")
+            raise WorkerGroupError(f"rank 0 failed: {error}", {0: error})  # Ray's message names each rank's error
         return type("Result", (), {"metrics": {"step": 20}, "checkpoint": None})()
 
 
@@ -55,11 +56,11 @@ def test_a_user_error_beyond_the_budget_gives_up_with_its_message(tmp_path, monk
     assert f"(user errors {max_failures + 1}/{max_failures}, infrastructure 0)" in said[-1], said
     spec = flaky_spec(tmp_path, max_failures)
     summary = launch.make_summary(spec, job_home(spec), metrics, checkpoint, error, wall_time_s=1.0)
-    assert summary["status"] == "failed" and "rank 0 failed" in summary["error"], summary
+    assert summary["status"] == "failed" and f"user bug at forward call {len(fits)}" in summary["error"], summary
 
 
 def test_a_user_error_within_the_budget_is_retried_and_the_job_goes_on(tmp_path, monkeypatch):
     (metrics, _, error), fits, previous, said = attempts(tmp_path, monkeypatch, max_failures=1, failures=1)
     assert error is None and metrics == {"step": 20} and len(fits) == 2
     assert previous == [None, "user_error"]
-    assert any("attempt failed: user error (rank 0 failed)" in line for line in said), said
+    assert any("attempt failed: user error (rank 0 failed: user bug at forward call 1)" in line for line in said), said
