@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/etrain demo
 
-# The whole suite: unit (no Ray), integration (a local Ray), e2e. The rehearsed cloud and then the
-# code tenant (in namespaces of its own) run beside the rest (tests/lanes.py);
+# The whole suite: unit (no Ray), integration (a local Ray), e2e. The rehearsed cloud, then the
+# code tenant and a few modules (in namespaces of their own) run beside the rest (tests/lanes.py);
 # `$(PYTEST) tests --ignore=tests/gpu` runs all of it in one lane.
 test: $(STAMP)
 	$(PY) tests/lanes.py -q --durations=15

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,24 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))  # user-code packages the specs import
 WORKER_PYTHONPATH = os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])  # what Ray's workers import
+
+
+@contextmanager
+def workers_import_the_repo():
+    """PYTHONPATH for the Ray processes started inside: a raylet hands its environment to every
+    worker it starts. (A job-level runtime_env would do the same through runtime_env's setup
+    process: a second Python start, ~0.3 CPU-s, for every worker, several per training run.)
+    This process's own environment is restored after, so the subprocesses tests start later
+    see what a user's would."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = WORKER_PYTHONPATH
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 _HANDED_OUT: set[int] = set()
@@ -123,12 +142,12 @@ def start_local_ray():
     from trainers.launch import running_cluster_address
 
     running_cluster_address()  # removes a record left by a killed Ray, which Ray's own lookups would use
-    address = init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
-                             configure_logging=True, logging_level="WARNING",
-                             # Workers hand custom metrics to the node's agent every second (10 s by
-                             # default), so a short test run shows up in Prometheus.
-                             _system_config={"metrics_report_interval_ms": 1000},
-                             runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
+    with workers_import_the_repo():
+        address = init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+                                 configure_logging=True, logging_level="WARNING",
+                                 # Workers hand custom metrics to the node's agent every second (10 s
+                                 # by default), so a short test run shows up in Prometheus.
+                                 _system_config={"metrics_report_interval_ms": 1000})
     address_record().parent.mkdir(parents=True, exist_ok=True)
     address_record().write_text(address)
 
@@ -170,16 +189,19 @@ def multi_node():
     if ray.is_initialized():
         ray.shutdown()  # these tests need their own multi-node Ray
     # A dead node is noticed in ~2 s instead of ~15 s, so a restart does not wait for its ghost.
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
-        "dashboard_port": free_port(),  # 8265 may be another Ray's on a shared machine
-        "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                           "health_check_failure_threshold": 4}})
-    nodes = [cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1") for _ in range(2)]
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
-    yield cluster, nodes
-    ray.shutdown()
-    cluster.shutdown()
+    # Nodes added by the test (a killed node's replacement) start with the same environment.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", WORKER_PYTHONPATH)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
+            "dashboard_port": free_port(),  # 8265 may be another Ray's on a shared machine
+            "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                               "health_check_failure_threshold": 4}})
+        nodes = [cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1") for _ in range(2)]
+        ray.init(address=cluster.address)
+        yield cluster, nodes
+        ray.shutdown()
+        cluster.shutdown()
 
 
 # Modules in the order that starts the shared local Ray once: those that bring up Rays of their own

@@ -1,19 +1,22 @@
 """Run the whole suite as two lanes at once: everything on this machine's network, and beside it
-the rehearsed cloud followed by the code tenant's test in namespaces of its own.
+the rehearsed cloud followed by modules in namespaces of their own.
 
-- **main**: the unit tier and every module but the two below, one after another.
+- **main**: the unit tier and every module but those below, one after another.
 - **beside**: tests/e2e/test_rehearsal.py (~5 minutes, mostly waiting on its cloud: `ray up`,
   a spot notice's deadline, Ray noticing a cut node; its nodes live in network namespaces, as
   other Unix users, so it shares only the CPUs), then tests/integration/test_code_tenant.py in
   namespaces of its own (``unshare --net --pid --mount``): its attacker job joins every Ray it
   can see and reads every folder it may, and must find only its own test's. Its own loopback,
-  process table and /tmp/ray hide the main lane's Rays from it. The namespaces' first process
-  (:func:`init`) reaps orphans, as an init must; when it exits the kernel stops what is left.
+  process table and /tmp/ray hide the main lane's Rays from it. Then, in fresh namespaces of
+  their own (with a Ray of their own), the modules of :data:`BESIDE_MODULES`: the suite is
+  CPU-bound, and its waits (a node's death, a worker group's start) leave a core idle that
+  the other lane fills. The namespaces' first process (:func:`init`) reaps orphans, as an init
+  must; when it exits the kernel stops what is left.
 
 The beside lane's output is kept in a file and printed when both are done. The exit status is
 the first non-zero of the runs'.
 
-    python tests/lanes.py [pytest args for the main lane and the code tenant...]
+    python tests/lanes.py [pytest args for the main lane and the namespaced runs...]
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 REHEARSAL = "tests/e2e/test_rehearsal.py"
 CODE_TENANT = "tests/integration/test_code_tenant.py"
+# Modules that need nothing of the main lane's, sized so that both lanes end together.
+BESIDE_MODULES = ["tests/integration/test_console.py", "tests/integration/test_data_scale.py",
+                  "tests/integration/test_loss_golden.py", "tests/integration/test_sweep.py"]
 LANE_RAY_DIR = "/tmp/ray"  # what Ray and `ray start` use when RAY_TMPDIR is unset
 PYTEST = [sys.executable, "-m", "pytest"]
 
@@ -68,17 +74,25 @@ def init(argv: list[str]) -> int:
             return os.waitstatus_to_exitcode(status)
 
 
+def isolated(*pytest_argv: str) -> int:
+    """pytest in network, PID and mount namespaces of its own (see :func:`init`)."""
+    (code,) = wait(subprocess.Popen(["unshare", "--net", "--pid", "--fork", "--mount-proc", "--propagation",
+                                     "private", sys.executable, __file__, "--init", "--", *PYTEST, *pytest_argv],
+                                    cwd=REPO, start_new_session=True))
+    sys.stdout.flush()
+    return code
+
+
 def beside(argv: list[str]) -> int:
-    """The rehearsal, then the code tenant in its namespaces; the first non-zero exit status.
-    On Ctrl-C each pytest gets its interrupt and is waited for: the rehearsal's fixtures take
-    its cloud down (a cloud left up stops the next rehearsal from starting)."""
+    """The rehearsal, then the code tenant in its namespaces, then the other modules in theirs;
+    the first non-zero exit status. On Ctrl-C each pytest gets its interrupt and is waited for:
+    the rehearsal's fixtures take its cloud down (a cloud left up stops the next rehearsal
+    from starting)."""
     (rehearsal,) = wait(subprocess.Popen([*PYTEST, REHEARSAL, "-q", "-p", "no:cacheprovider", "--durations=5"],
                                          cwd=REPO, start_new_session=True))
     sys.stdout.flush()
-    (isolated,) = wait(subprocess.Popen(["unshare", "--net", "--pid", "--fork", "--mount-proc", "--propagation",
-                                         "private", sys.executable, __file__, "--init", "--", *PYTEST, CODE_TENANT,
-                                         *argv], cwd=REPO, start_new_session=True))
-    return rehearsal or isolated
+    codes = [rehearsal, isolated(CODE_TENANT, *argv), isolated(*BESIDE_MODULES, *argv)]
+    return next((code for code in codes if code), 0)
 
 
 def main(argv: list[str]) -> int:
@@ -88,10 +102,11 @@ def main(argv: list[str]) -> int:
         side = subprocess.Popen([sys.executable, __file__, "--beside", "--", *argv], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     main_lane = subprocess.Popen([*PYTEST, "tests", "--ignore=tests/gpu", f"--ignore={REHEARSAL}",
-                                  f"--ignore={CODE_TENANT}", *argv], cwd=REPO, start_new_session=True)
+                                  f"--ignore={CODE_TENANT}", *(f"--ignore={m}" for m in BESIDE_MODULES), *argv],
+                                 cwd=REPO, start_new_session=True)
     main_code, side_code = wait(main_lane, side)
-    print(f"\n---- {REHEARSAL}, then {CODE_TENANT} in namespaces of its own (ran beside the tests above; "
-          f"its log: {log})")
+    print(f"\n---- {REHEARSAL}, then {CODE_TENANT} and then {', '.join(BESIDE_MODULES)} in namespaces of their "
+          f"own (ran beside the tests above; its log: {log})")
     print(log.read_text()[-30000:])
     print(f"---- all done in {time.monotonic() - started:.0f} s: main exit {main_code}, beside exit {side_code}")
     return main_code or side_code
