@@ -161,6 +161,7 @@ def ray_local(s3_server):
     """
     import ray
 
+    stop_multi_node()
     if not ray.is_initialized():
         start_local_ray()
     yield ray
@@ -169,6 +170,7 @@ def ray_local(s3_server):
 def pytest_sessionfinish(session, exitstatus):
     import sys as _sys
 
+    stop_multi_node()
     ray = _sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         address = ray.get_runtime_context().gcs_address
@@ -180,28 +182,50 @@ def pytest_sessionfinish(session, exitstatus):
             record.unlink()  # as `ray stop` would: it names the Ray just stopped
 
 
+_MULTI_NODE: list = []  # the multi-node tests' cluster, kept from one such test to the next
+
+
+def stop_multi_node() -> None:
+    """Shut the multi-node cluster down (before a local Ray starts, and at the session's end)."""
+    import ray
+
+    while _MULTI_NODE:
+        ray.shutdown()
+        _MULTI_NODE.pop().shutdown()
+
+
 @pytest.fixture
 def multi_node():
-    """A head that runs no training workers plus two 1-CPU 'spot' worker nodes, all on loopback."""
+    """A head that runs no training workers plus two 1-CPU 'spot' worker nodes, all on loopback.
+
+    Its modules run one after another (MODULE_ORDER), and the cluster is kept between their
+    tests (a start is ~10 s of a busy machine): each test gets two live worker nodes, the
+    ones it killed or removed replaced. The shared local Ray stops it (:func:`ray_local`).
+    """
     import ray
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
-        ray.shutdown()  # these tests need their own multi-node Ray
-    # A dead node is noticed in ~2 s instead of ~15 s, so a restart does not wait for its ghost.
-    # Nodes added by the test (a killed node's replacement) start with the same environment.
+    node_args = {"num_cpus": 1, "resources": {"spot": 1}, "node_ip_address": "127.0.0.1"}
+    # Nodes the test adds (a killed node's replacement) start with the same environment.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", WORKER_PYTHONPATH)
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True, "dashboard_host": "127.0.0.1",
-            "dashboard_port": free_port(),  # 8265 may be another Ray's on a shared machine
-            "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                               "health_check_failure_threshold": 4}})
-        nodes = [cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1") for _ in range(2)]
-        ray.init(address=cluster.address)
+        if not _MULTI_NODE:
+            if ray.is_initialized():
+                ray.shutdown()  # these tests need their own multi-node Ray
+            # A dead node is noticed in ~2 s instead of ~15 s, so a restart does not wait for its ghost.
+            _MULTI_NODE.append(Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True,
+                "dashboard_host": "127.0.0.1", "dashboard_port": free_port(),  # 8265 may be another Ray's
+                "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                                   "health_check_failure_threshold": 4}}))
+            ray.init(address=_MULTI_NODE[0].address)
+        cluster = _MULTI_NODE[0]
+        nodes = [n for n in cluster.worker_nodes if not n.dead_processes()]
+        for node in set(cluster.worker_nodes) - set(nodes):
+            cluster.remove_node(node, allow_graceful=False)
+        nodes += [cluster.add_node(**node_args) for _ in range(2 - len(nodes))]
+        cluster.wait_for_nodes()
         yield cluster, nodes
-        ray.shutdown()
-        cluster.shutdown()
 
 
 # Modules in the order that starts the shared local Ray once: those that bring up Rays of their own
