@@ -5,7 +5,7 @@ local Ray with no checkpoint but the last ("none"), with one every N steps uploa
 asynchronously ("async"), and once with synchronous uploads ("sync"). Figures:
 
 - async checkpoint throughput ratio: samples/s with async checkpoints over none. Target >= 0.97.
-  Runs of one job on this shared 2-core machine differ by up to ~10% from one to the next, so
+  Runs of one job on this shared 2-core machine differ by up to ~20% from one to the next, so
   none and async run as pairs, back to back (their order alternating), and the figure is the
   median of the pairs' ratios.
 - report() blocking seconds, async and sync (median over the job's checkpoints): what the
