@@ -161,7 +161,6 @@ def ray_local(s3_server):
     """
     import ray
 
-    stop_multi_node()
     if not ray.is_initialized():
         start_local_ray()
     yield ray
@@ -182,50 +181,83 @@ def pytest_sessionfinish(session, exitstatus):
             record.unlink()  # as `ray stop` would: it names the Ray just stopped
 
 
-_MULTI_NODE: list = []  # the multi-node tests' cluster, kept from one such test to the next
+_MULTI_NODE: list = []  # [(cluster, its GCS address)], kept from one multi-node test to the next
 
 
 def stop_multi_node() -> None:
-    """Shut the multi-node cluster down (before a local Ray starts, and at the session's end)."""
+    """Shut the multi-node cluster down. Ray's ``Cluster.shutdown`` deletes the machine's address
+    record whichever Ray it names: one naming another Ray (a user's `ray start`) is put back."""
     import ray
 
+    from cluster.ray_adapter import address_record
+
+    record = address_record()
     while _MULTI_NODE:
+        before = record.read_text() if record.exists() else None
+        cluster, address = _MULTI_NODE.pop()
         ray.shutdown()
-        _MULTI_NODE.pop().shutdown()
+        cluster.shutdown()
+        if before is not None and before.strip() != address:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(before)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The multi-node cluster goes as soon as the next test does not use it (before this test's
+    fixtures end, so the address-record fixture finds it gone): no later test (the code tenant's
+    attacker joins every Ray it sees) meets it, whichever modules run."""
+    if _MULTI_NODE and (nextitem is None or "multi_node" not in nextitem.fixturenames):
+        stop_multi_node()
 
 
 @pytest.fixture
-def multi_node():
+def multi_node(request):
     """A head that runs no training workers plus two 1-CPU 'spot' worker nodes, all on loopback.
 
     Its modules run one after another (MODULE_ORDER), and the cluster is kept between their
     tests (a start is ~10 s of a busy machine): each test gets two live worker nodes, the
-    ones it killed or removed replaced. The shared local Ray stops it (:func:`ray_local`).
+    ones it killed or removed replaced. After a failed test, or a failed set-up, it is stopped
+    (a job left running would take the next test's nodes).
     """
     import ray
     from ray.cluster_utils import Cluster
 
     node_args = {"num_cpus": 1, "resources": {"spot": 1}, "node_ip_address": "127.0.0.1"}
-    # Nodes the test adds (a killed node's replacement) start with the same environment.
     with pytest.MonkeyPatch.context() as patch:
+        if not _MULTI_NODE and ray.is_initialized():
+            ray.shutdown()  # these tests need their own multi-node Ray
+        port = free_port()
+        address = _MULTI_NODE[0][1] if _MULTI_NODE else f"127.0.0.1:{port}"
+        # Every process of the cluster, and every node the test adds (a killed node's replacement),
+        # imports the repo and knows the cluster's address: Ray's own lookups given no address (Ray
+        # Train's placement-group cleaner) read RAY_ADDRESS before the machine's address record,
+        # which names this cluster only until the first test's end.
         patch.setenv("PYTHONPATH", WORKER_PYTHONPATH)
-        if not _MULTI_NODE:
-            if ray.is_initialized():
-                ray.shutdown()  # these tests need their own multi-node Ray
-            # A dead node is noticed in ~2 s instead of ~15 s, so a restart does not wait for its ghost.
-            _MULTI_NODE.append(Cluster(initialize_head=True, head_node_args={
-                "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": True,
-                "dashboard_host": "127.0.0.1", "dashboard_port": free_port(),  # 8265 may be another Ray's
-                "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                                   "health_check_failure_threshold": 4}}))
-            ray.init(address=_MULTI_NODE[0].address)
-        cluster = _MULTI_NODE[0]
-        nodes = [n for n in cluster.worker_nodes if not n.dead_processes()]
-        for node in set(cluster.worker_nodes) - set(nodes):
-            cluster.remove_node(node, allow_graceful=False)
-        nodes += [cluster.add_node(**node_args) for _ in range(2 - len(nodes))]
-        cluster.wait_for_nodes()
+        patch.setenv("RAY_ADDRESS", address)
+        try:
+            if not _MULTI_NODE:
+                # A dead node is noticed in ~2 s instead of ~15 s, so a restart does not wait for its ghost.
+                _MULTI_NODE.append((Cluster(initialize_head=True, head_node_args={
+                    "num_cpus": 0, "node_ip_address": "127.0.0.1", "gcs_server_port": port,
+                    "include_dashboard": True, "dashboard_host": "127.0.0.1",
+                    "dashboard_port": free_port(),  # 8265 may be another Ray's on a shared machine
+                    "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                                       "health_check_failure_threshold": 4}}), address))
+                ray.init(address=address)
+            cluster = _MULTI_NODE[0][0]
+            live = [n for n in cluster.worker_nodes if not n.dead_processes()][:2]
+            for node in set(cluster.worker_nodes) - set(live):
+                cluster.remove_node(node, allow_graceful=False)
+            nodes = live + [cluster.add_node(**node_args) for _ in range(2 - len(live))]
+            cluster.wait_for_nodes()
+        except BaseException:
+            stop_multi_node()
+            raise
+        failed_before = request.session.testsfailed
         yield cluster, nodes
+        if request.session.testsfailed > failed_before:
+            stop_multi_node()
 
 
 # Modules in the order that starts the shared local Ray once: those that bring up Rays of their own
