@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,24 +16,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))  # user-code packages the specs import
 WORKER_PYTHONPATH = os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])  # what Ray's workers import
-
-
-@contextmanager
-def workers_import_the_repo():
-    """PYTHONPATH for the Ray processes started inside: a raylet hands its environment to every
-    worker it starts. (A job-level runtime_env would do the same through runtime_env's setup
-    process: a second Python start, ~0.3 CPU-s, for every worker, several per training run.)
-    This process's own environment is restored after, so the subprocesses tests start later
-    see what a user's would."""
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = WORKER_PYTHONPATH
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
 
 
 _HANDED_OUT: set[int] = set()
@@ -142,7 +123,12 @@ def start_local_ray():
     from trainers.launch import running_cluster_address
 
     running_cluster_address()  # removes a record left by a killed Ray, which Ray's own lookups would use
-    with workers_import_the_repo():
+    # PYTHONPATH through the raylet's environment, which every worker it starts inherits (a job-level
+    # runtime_env would start each worker through runtime_env's setup process: a second Python start,
+    # ~0.3 CPU-s, several per training run). This process's own environment is restored after, so
+    # the subprocesses tests start later see what a user's would.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", WORKER_PYTHONPATH)
         address = init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
                                  configure_logging=True, logging_level="WARNING",
                                  # Workers hand custom metrics to the node's agent every second (10 s
@@ -181,7 +167,7 @@ def pytest_sessionfinish(session, exitstatus):
             record.unlink()  # as `ray stop` would: it names the Ray just stopped
 
 
-_MULTI_NODE: list = []  # [(cluster, its GCS address)], kept from one multi-node test to the next
+_MULTI_NODE: list = []  # the multi-node tests' Cluster, kept from one such test to the next
 
 
 def stop_multi_node() -> None:
@@ -194,10 +180,10 @@ def stop_multi_node() -> None:
     record = address_record()
     while _MULTI_NODE:
         before = record.read_text() if record.exists() else None
-        cluster, address = _MULTI_NODE.pop()
+        cluster = _MULTI_NODE.pop()
         ray.shutdown()
         cluster.shutdown()
-        if before is not None and before.strip() != address:
+        if before is not None and before.strip() != cluster.address:
             record.parent.mkdir(parents=True, exist_ok=True)
             record.write_text(before)
 
@@ -225,27 +211,27 @@ def multi_node(request):
 
     node_args = {"num_cpus": 1, "resources": {"spot": 1}, "node_ip_address": "127.0.0.1"}
     with pytest.MonkeyPatch.context() as patch:
-        if not _MULTI_NODE and ray.is_initialized():
-            ray.shutdown()  # these tests need their own multi-node Ray
-        port = free_port()
-        address = _MULTI_NODE[0][1] if _MULTI_NODE else f"127.0.0.1:{port}"
         # Every process of the cluster, and every node the test adds (a killed node's replacement),
         # imports the repo and knows the cluster's address: Ray's own lookups given no address (Ray
         # Train's placement-group cleaner) read RAY_ADDRESS before the machine's address record,
         # which names this cluster only until the first test's end.
         patch.setenv("PYTHONPATH", WORKER_PYTHONPATH)
-        patch.setenv("RAY_ADDRESS", address)
         try:
             if not _MULTI_NODE:
+                if ray.is_initialized():
+                    ray.shutdown()  # these tests need their own multi-node Ray
+                port = free_port()
+                patch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
                 # A dead node is noticed in ~2 s instead of ~15 s, so a restart does not wait for its ghost.
-                _MULTI_NODE.append((Cluster(initialize_head=True, head_node_args={
+                _MULTI_NODE.append(Cluster(initialize_head=True, head_node_args={
                     "num_cpus": 0, "node_ip_address": "127.0.0.1", "gcs_server_port": port,
                     "include_dashboard": True, "dashboard_host": "127.0.0.1",
                     "dashboard_port": free_port(),  # 8265 may be another Ray's on a shared machine
                     "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
-                                       "health_check_failure_threshold": 4}}), address))
-                ray.init(address=address)
-            cluster = _MULTI_NODE[0][0]
+                                       "health_check_failure_threshold": 4}}))
+                ray.init(address=_MULTI_NODE[0].address)
+            cluster = _MULTI_NODE[0]
+            patch.setenv("RAY_ADDRESS", cluster.address)
             live = [n for n in cluster.worker_nodes if not n.dead_processes()][:2]
             for node in set(cluster.worker_nodes) - set(live):
                 cluster.remove_node(node, allow_graceful=False)
