@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,27 @@ def s3_server():
             os.environ[k] = v
 
 
+RAY_AGENT_DEFAULT_PORT = 52365  # the node agent's HTTP port (Jobs API) when a start names none
+
+
+def wait_port_free(port: int, timeout_s: float = 60) -> None:
+    """Until ``port`` can be bound on loopback, as a listener would bind it (SO_REUSEADDR: a closed
+    connection's TIME_WAIT does not count). A Ray stopped just before may still hold it: its node
+    agent, started by the raylet, exits a moment after the raylet is killed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"port {port} is still taken after {timeout_s:.0f} s: the shared Ray's node agent "
+                                f"(the Jobs API) needs it. Stop the Ray that holds it (`ss -ltnp 'sport = {port}'`).")
+        time.sleep(0.2)
+
+
 def start_local_ray():
     """The tests' shared Ray, as `ray start` would leave it: its address on record.
 
@@ -123,13 +145,16 @@ def start_local_ray():
     from trainers.launch import running_cluster_address
 
     running_cluster_address()  # removes a record left by a killed Ray, which Ray's own lookups would use
+    # ray.init takes no agent port: Ray's default must be free, or the agent serves no HTTP and every
+    # job submission fails ("Agent info not found"), as it did right after the multi-node cluster stopped.
+    wait_port_free(RAY_AGENT_DEFAULT_PORT)
     # PYTHONPATH through the raylet's environment, which every worker it starts inherits (a job-level
     # runtime_env would start each worker through runtime_env's setup process: a second Python start,
     # ~0.3 CPU-s, several per training run). This process's own environment is restored after, so
     # the subprocesses tests start later see what a user's would.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", WORKER_PYTHONPATH)
-        address = init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1",
+        address = init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
                                  configure_logging=True, logging_level="WARNING",
                                  # Workers hand custom metrics to the node's agent every second (10 s
                                  # by default), so a short test run shows up in Prometheus.
@@ -227,6 +252,8 @@ def multi_node(request):
                     "num_cpus": 0, "node_ip_address": "127.0.0.1", "gcs_server_port": port,
                     "include_dashboard": True, "dashboard_host": "127.0.0.1",
                     "dashboard_port": free_port(),  # 8265 may be another Ray's on a shared machine
+                    # and Ray's default agent port (52365) the shared Ray's, started right after this one stops
+                    "dashboard_agent_listen_port": free_port(),
                     "_system_config": {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
                                        "health_check_failure_threshold": 4}}))
                 ray.init(address=_MULTI_NODE[0].address)

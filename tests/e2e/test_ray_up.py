@@ -47,12 +47,15 @@ def pids_running_from(folder: Path) -> set[int]:
 def baked_node_env(env_dir: Path) -> None:
     """The node's environment as a node image holds it: this venv's packages, hard-linked (seconds,
     where pip takes minutes to unpack torch and Ray), its scripts pointed at the new interpreter.
-    The twin's setup commands still run, find the pins installed and install the project."""
-    cp = subprocess.run(["cp", "-al", sys.prefix, str(env_dir)], capture_output=True, text=True)
+    The twin's setup commands still run, find the pins installed and install the project.
+    A venv reached through a symlink (a git worktree sharing one) is copied as the folder it names:
+    a copied link would run the node's Ray from this venv, where the stop by folder misses it."""
+    prefix = Path(sys.prefix).resolve()
+    cp = subprocess.run(["cp", "-al", str(prefix), str(env_dir)], capture_output=True, text=True)
     if cp.returncode != 0:  # another filesystem: hard links cannot cross it
         shutil.rmtree(env_dir, ignore_errors=True)
-        subprocess.run(["cp", "-a", sys.prefix, str(env_dir)], check=True)
-    old, new = f"#!{sys.prefix}/bin/python".encode(), f"#!{env_dir}/bin/python".encode()
+        subprocess.run(["cp", "-a", str(prefix), str(env_dir)], check=True)
+    old, new = f"#!{prefix}/bin/python".encode(), f"#!{env_dir}/bin/python".encode()
     for script in (env_dir / "bin").iterdir():
         if script.is_file() and not script.is_symlink():
             text = script.read_bytes()
