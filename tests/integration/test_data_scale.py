@@ -186,9 +186,9 @@ def test_auto_loader_workers_cut_the_wait_for_slow_data(ray_local, tmp_path):
     """Each step's data takes ~16 ms to load in one process and its compute ~12 ms: no loader
     process leaves the step waiting most of the time, two hide the loading entirely."""
     spec = validate({
-        "name": "slow-data", "training": {"batch_size": 32, "learning_rate": 0.01, "max_steps": 120,
+        "name": "slow-data", "training": {"batch_size": 32, "learning_rate": 0.01, "max_steps": 240,
                                           "log_interval_steps": 20},
-        "distributed": {"num_workers": 1}, "checkpoint": {"interval": 60, "storage_root": str(tmp_path)},
+        "distributed": {"num_workers": 1}, "checkpoint": {"interval": 120, "storage_root": str(tmp_path)},
         "model": {"factory": "slowpkg:busy_model", "options": {"compute_s": 0.012}},
         "data": {"factory": "slowpkg:slow_data", "options": {"n": 3000, "item_s": 0.0005}, "num_workers": "auto"},
     })

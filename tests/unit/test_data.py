@@ -325,15 +325,15 @@ def test_auto_feed_adds_workers_for_slow_data_and_keeps_its_choice(monkeypatch):
     plan = BatchPlan(len(source), 16, seed=0, group_sizes=source.group_sizes)
     steps = StepMicroBatches(plan, 0, 1, 16)
     lines = []
-    feed = Feed(source, steps, 0, 120, "auto", 2, torch.device("cpu"), announce=lines.append)
-    for step in range(120):
+    feed = Feed(source, steps, 0, 240, "auto", 2, torch.device("cpu"), announce=lines.append)
+    for step in range(240):  # each setting is measured for at least MIN_PROBE_S
         assert feed.next()["y"].tolist() == steps.at(step)[0].tolist()
         time.sleep(0.006)  # compute: 16 items load in 8 ms in one process, in 4 ms with two
     assert feed.state() is not None and feed.state()["num_workers"] > 0, feed.tried
     assert lines and "data.num_workers auto" in lines[0]
-    again = Feed(source, steps, 120, 122, "auto", 2, torch.device("cpu"), tuned=feed.state())
+    again = Feed(source, steps, 240, 242, "auto", 2, torch.device("cpu"), tuned=feed.state())
     assert again.state() == feed.state() and not again.tuning
-    fixed = Feed(source, steps, 120, 122, 0, 2, torch.device("cpu"), tuned=feed.state())
+    fixed = Feed(source, steps, 240, 242, 0, 2, torch.device("cpu"), tuned=feed.state())
     assert fixed.setting == LoaderSetting(0, 2) and fixed.state() is None, "a count in the spec wins"
 
 

@@ -9,6 +9,10 @@ from dataclasses import dataclass
 
 TARGET_WAIT = 0.03  # under this share of step time spent waiting for data, the loader is fast enough
 MIN_GAIN = 0.1  # a setting must cut the wait by this share of the best so far to count as better
+# A setting is measured for at least this long (and a few steps): a window of 4 short steps (~0.1 s)
+# on a busy machine measured the noise of a few late wake-ups, and kept no loader workers for data
+# that needed them.
+MIN_PROBE_S = 0.5
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from trainers.data.autotune import LoaderSetting, ladder, next_setting
+from trainers.data.autotune import MIN_PROBE_S, LoaderSetting, ladder, next_setting
 from trainers.data.plan import StepMicroBatches
 from trainers.data.sources import Stacked
 
@@ -218,7 +218,7 @@ class Feed:
                 self.probe = (self.step, now, 0.0)
             return
         first, at, waited = self.probe
-        if self.step < first + probe_steps:
+        if self.step < first + probe_steps or now - at < MIN_PROBE_S:
             return
         wait = waited / max(now - at, 1e-9)
         self.tried.append((self.setting, wait))
