@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -116,22 +115,16 @@ def s3_server():
 RAY_AGENT_DEFAULT_PORT = 52365  # the node agent's HTTP port (Jobs API) when a start names none
 
 
-def wait_port_free(port: int, timeout_s: float = 60) -> None:
-    """Until ``port`` can be bound on loopback, as a listener would bind it (SO_REUSEADDR: a closed
-    connection's TIME_WAIT does not count). A Ray stopped just before may still hold it: its node
-    agent, started by the raylet, exits a moment after the raylet is killed."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", port))
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"port {port} is still taken after {timeout_s:.0f} s: the shared Ray's node agent "
-                                f"(the Jobs API) needs it. Stop the Ray that holds it (`ss -ltnp 'sport = {port}'`).")
-        time.sleep(0.2)
+def port_free(port: int) -> bool:
+    """Whether ``port`` can be bound on loopback as a listener binds it (SO_REUSEADDR: a closed
+    connection's TIME_WAIT does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def start_local_ray():
@@ -143,11 +136,15 @@ def start_local_ray():
     """
     from cluster.ray_adapter import address_record, init_local_ray
     from trainers.launch import running_cluster_address
+    from waiting import wait_for
 
     running_cluster_address()  # removes a record left by a killed Ray, which Ray's own lookups would use
     # ray.init takes no agent port: Ray's default must be free, or the agent serves no HTTP and every
-    # job submission fails ("Agent info not found"), as it did right after the multi-node cluster stopped.
-    wait_port_free(RAY_AGENT_DEFAULT_PORT)
+    # job submission fails ("Agent info not found"). A Ray stopped just before may still hold it (its
+    # node agent exits a moment after its raylet), or one left running (a `ray up` head that leaked did).
+    wait_for(lambda: port_free(RAY_AGENT_DEFAULT_PORT), 60, f"port {RAY_AGENT_DEFAULT_PORT} to be free for the shared "
+             f"Ray's node agent (the Jobs API); stop the Ray that holds it (`ss -ltnp 'sport = {RAY_AGENT_DEFAULT_PORT}'`)",
+             poll_s=0.2)
     # PYTHONPATH through the raylet's environment, which every worker it starts inherits (a job-level
     # runtime_env would start each worker through runtime_env's setup process: a second Python start,
     # ~0.3 CPU-s, several per training run). This process's own environment is restored after, so
