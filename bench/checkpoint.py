@@ -5,9 +5,12 @@ local Ray with no checkpoint but the last ("none"), with one every N steps uploa
 asynchronously ("async"), and once with synchronous uploads ("sync"). Figures:
 
 - async checkpoint throughput ratio: samples/s with async checkpoints over none. Target >= 0.97.
-  Runs of one job on this shared 2-core machine differ by up to ~20% from one to the next, so
-  none and async run as pairs, back to back (their order alternating), and the figure is the
-  median of the pairs' ratios.
+  A run's samples/s is its steady rate (bench/plain_ddp.py's ``steady_rate``: the median of its
+  logged windows, the first tenth left out), and a window is one checkpoint interval long, so
+  every window of an async run holds one checkpoint's copy, write, upload and report. Runs of
+  one job on this shared 2-core machine differ by up to ~20% from one to the next, so none and
+  async run as pairs, back to back (their order alternating), and the figure is the median of
+  the pairs' ratios; the ratio of the runs' mean samples/s is printed beside it.
 - report() blocking seconds, async and sync (median over the job's checkpoints): what the
   training thread paid at a checkpoint (the state copy is reported apart, as save seconds).
 - async checkpoints taken: an interval checkpoint is left to the next interval step while the
@@ -89,10 +92,13 @@ def main() -> None:
     from trainers.history import read_history
     from trainers.launch import run_job
 
+    from bench.plain_ddp import steady_rate
+
     init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", configure_logging=True,
                    logging_level="WARNING", log_to_driver=False)
-    runs: dict[str, list[tuple[float, float | None, int]]] = {"none": [], "async": [], "sync": [],
-                                                            "none local": [], "async local": []}
+    # per run: (steady samples/s, report() blocking median, checkpoints taken, mean samples/s)
+    runs: dict[str, list[tuple[float, float | None, int, float]]] = {"none": [], "async": [], "sync": [],
+                                                                   "none local": [], "async local": []}
     local_root = tempfile.mkdtemp(prefix="etrain-bench-ckpt-")
 
     def run(name: str, index: int, root: str = "s3://bench/runs") -> None:
@@ -100,7 +106,8 @@ def main() -> None:
         interval, upload = (args.steps, "async") if kind == "none" else (args.interval, kind)
         spec = validate({
             "name": f"ckpt-{kind}-{index}", "training": {"batch_size": 128, "max_steps": args.steps,
-                                                         "learning_rate": 0.001, "log_interval_steps": 50},
+                                                         "learning_rate": 0.001,
+                                                         "log_interval_steps": args.interval},
             "distributed": {"num_workers": 2}, "model": {"hidden_size": args.hidden},
             "checkpoint": {"interval": interval, "upload": upload, "min_interval_s": 0, "num_to_keep": 2,
                            "storage_root": root}})
@@ -109,9 +116,11 @@ def main() -> None:
             raise SystemExit(f"{name} run failed: {summary['error']}")
         rows = read_history(open_root(root), spec.name)
         blocked = [r["checkpoint_report_s"] for r in rows if r.get("checkpoint_report_s") is not None]
-        runs[name].append((summary["samples_per_s"], statistics.median(blocked) if blocked else None, len(blocked)))
-        print(f"[bench] {name} {index}: {runs[name][-1][0]:.0f} samples/s, report() median {runs[name][-1][1]}s",
-              file=sys.stderr)
+        steady = steady_rate([r["samples_per_s"] for r in rows])
+        runs[name].append((steady, statistics.median(blocked) if blocked else None, len(blocked),
+                           summary["samples_per_s"]))
+        print(f"[bench] {name} {index}: {steady:.0f} samples/s (mean {summary['samples_per_s']:.0f}), "
+              f"report() median {runs[name][-1][1]}s", file=sys.stderr)
 
     try:
         for i in range(args.pairs):
@@ -127,6 +136,7 @@ def main() -> None:
         server.terminate()
         server.wait(30)
     ratios = [a[0] / n[0] for a, n in zip(runs["async"], runs["none"])]
+    mean_ratios = [a[3] / n[3] for a, n in zip(runs["async"], runs["none"])]
     local_ratios = [a[0] / n[0] for a, n in zip(runs["async local"], runs["none local"])]
 
     def median(name: str, field: int) -> float:
@@ -144,6 +154,8 @@ def main() -> None:
     print(f"sync checkpoint throughput ratio: {median('sync', 0) / median('none', 0):.3f}")
     print(f"async checkpoint throughput ratio: {statistics.median(ratios):.3f} "
           f"(median of {len(ratios)} back-to-back pairs: {', '.join(f'{r:.3f}' for r in ratios)})")
+    print(f"async checkpoint mean throughput ratio: {statistics.median(mean_ratios):.3f} "
+          f"(pairs: {', '.join(f'{r:.3f}' for r in mean_ratios)})")
     print(f"async checkpoint throughput ratio to local disk: {statistics.median(local_ratios):.3f} "
           f"(pairs: {', '.join(f'{r:.3f}' for r in local_ratios)})")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import pyarrow.parquet as pq
@@ -19,6 +20,23 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+WINDOW_STEPS = 100  # the etrain side logs its samples/s every 100 steps: the same windows here
+WARMUP_FRACTION = 0.1
+
+
+def steady_rate(window_rates: list[float], warmup_fraction: float = WARMUP_FRACTION) -> float:
+    """Steady samples/s: the median of a run's per-window rates, its first tenth left out.
+
+    Both sides of a comparison are judged by this one rule. The first windows carry start-up (on
+    the etrain side Ray's controller starts its helper actors beside the first steps); the median
+    keeps a window that another process on this shared machine slowed from moving the figure,
+    where a mean over the run takes it whole.
+    """
+    if not window_rates:
+        raise ValueError("no windows to measure: run more steps than one window")
+    kept = window_rates[int(len(window_rates) * warmup_fraction):] or window_rates
+    return statistics.median(kept)
 
 
 def digits_pairs(path: str) -> TensorDataset:
@@ -47,6 +65,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     per_rank = args.batch_size // world
     step, epoch, warm_at, started = 0, 0, None, time.perf_counter()
+    marks: list[float] = []  # the time at step 1 and at each window's end after it
     while step < args.steps:
         sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
         sampler.set_epoch(epoch)
@@ -58,12 +77,16 @@ def main() -> None:
             step += 1
             if step == 1:
                 warm_at = time.perf_counter()  # the first step pays for warm-up; measure after it
+            if step % WINDOW_STEPS == 1:
+                marks.append(time.perf_counter())
             if step >= args.steps:
                 break
         epoch += 1
-    steady = (args.steps - 1) * args.batch_size / (time.perf_counter() - warm_at)
+    mean = (args.steps - 1) * args.batch_size / (time.perf_counter() - warm_at)
+    rates = [WINDOW_STEPS * args.batch_size / (b - a) for a, b in zip(marks, marks[1:])]
     if rank == 0:
-        print(json.dumps({"samples_per_s": steady, "train_s": time.perf_counter() - started,
+        print(json.dumps({"samples_per_s": steady_rate(rates), "mean_samples_per_s": mean,
+                          "window_rates": rates, "train_s": time.perf_counter() - started,
                           "threads": torch.get_num_threads(), "world": world}), flush=True)
     dist.destroy_process_group()
 

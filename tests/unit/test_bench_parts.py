@@ -57,3 +57,18 @@ def test_gpu_script_refuses_without_a_gpu_and_says_how():
         pytest.fail("this test is for machines without a GPU")
     out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no CUDA GPU here" in out.stderr and "--cpu-check" in out.stderr
+
+
+@pytest.mark.parametrize("rates,expected", [
+    ([10.0] + [100.0] * 9, 100.0),  # the first tenth (start-up) is left out
+    ([100.0] * 9 + [20.0], 100.0),  # one window another process slowed does not move it (the mean: 92)
+    ([90.0] * 10, 90.0),  # a run that is slower throughout is measured so
+    ([10.0, 100.0, 90.0], 90.0),  # under ten windows nothing is left out
+])
+def test_steady_rate_is_the_median_window_after_start_up(rates, expected):
+    assert load("plain_ddp").steady_rate(rates) == expected
+
+
+def test_steady_rate_of_no_windows_says_to_run_longer():
+    with pytest.raises(ValueError, match="run more steps than one window"):
+        load("plain_ddp").steady_rate([])
