@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 import yaml
-from processes import stop_all
+from processes import session_pids, start_time, stop_all
+from waiting import wait_for
 
 from cluster.twin import local_twin
 
@@ -42,6 +44,23 @@ def pids_running_from(folder: Path) -> set[int]:
     lives in the node's own environment under the test's temporary folder."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
     return {int(line.split()[0]) for line in out.splitlines() if str(folder) in line}
+
+
+def twin_pids(folder: Path) -> set[int]:
+    """The twin head's processes: those that run from ``folder`` and every process of their sessions
+    (each `ray start` over ssh runs in a session of its own). Ray's agents rename themselves
+    (`ray::DashboardAgent`), so their command line names no folder; one left behind its raylet spins
+    at ~50% of a core for a minute or more, reporting the raylet's death to a GCS that is gone, and
+    holds Ray's default agent port, which the next local Ray on this machine needs."""
+    pids = pids_running_from(folder)
+    sessions = set()
+    for pid in pids:
+        try:
+            sessions.add(os.getsid(pid))
+        except ProcessLookupError:
+            continue
+    sessions.discard(os.getsid(0))  # never this test's own session
+    return pids | {pid for sid in sessions for pid in session_pids(sid)}
 
 
 def baked_node_env(env_dir: Path) -> None:
@@ -96,6 +115,21 @@ def sshd(tmp_path):
     proc.wait(timeout=10)
 
 
+ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def jobs_api(path: str) -> dict | list | None:
+    """GET the head's Jobs API with the token `ray get-auth-token` made; None while it does not answer.
+    The test's polls go this way: a `ray job` CLI call costs a process and Ray's import each time."""
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    try:
+        got = requests.get(f"http://127.0.0.1:8265/api/jobs/{path}", headers={"Authorization": f"Bearer {token}"},
+                           timeout=30)
+    except requests.RequestException:
+        return None
+    return got.json() if got.status_code == 200 else None
+
+
 @pytest.mark.timeout(1800)  # `ray up` installs the node's environment: minutes on a fresh machine
 def test_ray_up_then_job_submit_then_ray_down(sshd, tmp_path):
     node_dir = tmp_path / "node"
@@ -120,12 +154,8 @@ def test_ray_up_then_job_submit_then_ray_down(sshd, tmp_path):
         node_python = node_dir / ".node-venv" / "bin" / "python"
         assert node_python.exists()
         job_env = {**env, "RAY_AUTH_MODE": "token"}
-        for _ in range(60):  # the head's dashboard answers a little after `ray up` returns
-            listed = subprocess.run([ray, "job", "list", "--address", "http://127.0.0.1:8265"], capture_output=True,
-                                    text=True, env=job_env, timeout=60)
-            if listed.returncode == 0:
-                break
-            time.sleep(2)
+        # The head's dashboard answers a little after `ray up` returns.
+        wait_for(lambda: jobs_api("") is not None, 120, "the head's Jobs API", poll_s=1)
         for _ in range(30):
             submit = subprocess.run(
                 [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--no-wait", "--submission-id",
@@ -140,18 +170,12 @@ def test_ray_up_then_job_submit_then_ray_down(sshd, tmp_path):
                 break
             time.sleep(2)
         assert submit.returncode == 0, said
-        status = ""
-        for _ in range(150):
-            probe = subprocess.run([ray, "job", "status", "--address", "http://127.0.0.1:8265", "quickstart-e2e"],
-                                   capture_output=True, text=True, env=job_env, timeout=60)
-            status = (probe.stdout + probe.stderr).lower()  # Ray's CLI writes "Job 'x' succeeded" to stderr
-            if any(s in status for s in ("succeeded", "failed", "stopped")):
-                break
-            time.sleep(2)
+        status = wait_for(lambda: (lambda job: job["status"] if job and job["status"] in ENDED else None)(
+            jobs_api("quickstart-e2e")), 300, "the job to end", poll_s=1)
         got = subprocess.run([ray, "job", "logs", "--address", "http://127.0.0.1:8265", "quickstart-e2e"],
                              capture_output=True, text=True, env=job_env, timeout=60)
         logs = got.stdout + got.stderr
-        assert "succeeded" in status, status + logs[-3000:]
+        assert status == "SUCCEEDED", status + logs[-3000:]
         assert "[etrain] job quickstart: succeeded" in logs
         summary = json.loads((storage / "quickstart" / "summary.json").read_text())
         assert summary["status"] == "succeeded"
@@ -161,6 +185,14 @@ def test_ray_up_then_job_submit_then_ray_down(sshd, tmp_path):
             down = subprocess.run([ray, "down", "-y", str(config)], capture_output=True, text=True, env=env,
                                   timeout=300)
         finally:
-            stop_all(lambda: pids_running_from(node_dir))  # `ray down` leaves the head's Ray running (local provider)
+            # `ray down` leaves the head's Ray running (local provider). Its sessions are read once, while
+            # its raylet still names them: an agent left behind it names neither folder nor raylet.
+            twin = {pid: start_time(pid) for pid in twin_pids(node_dir)}
+
+            def left() -> set[int]:
+                return {pid for pid, started in twin.items() if started and start_time(pid) == started}
+
+            stop_all(lambda: left() | twin_pids(node_dir))
     assert down.returncode == 0, down.stdout + down.stderr
-    assert not pids_running_from(node_dir), "every process the test started is stopped"
+    assert not left(), "every process the test started is stopped"
+    assert not pids_running_from(node_dir)
