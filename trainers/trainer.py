@@ -153,6 +153,15 @@ class Pulse:
             except Exception as exc:  # boundary: a missed beat only blurs recovery accounting; try next tick
                 worker_log().warning("note: heartbeat: %s: %s", type(exc).__name__, exc)
 
+    def took_over(self, step: int) -> None:
+        """The attempt's first step is done and the one before it recorded: beat at once, so that
+        the beat an attempt after this one reads is this attempt's. A failure before the first tick
+        (a node cut a second after the restart) would otherwise leave the previous attempt's beat
+        there, and the next attempt would record that interruption again, cause and all."""
+        with self._lock:
+            self.beats.beat(step, self.world, force=True)
+            self._held_at = 0
+
     def checkpointed(self, step: int, jit: bool) -> None:
         """A beat at each checkpoint; after a just-in-time one, none until training moves on."""
         with self._lock:
@@ -494,6 +503,8 @@ class Trainer:
             launcher_cause = config.get("previous_failure") if pending.time < config.get("attempt_started_at", 0) else None
             record_interruption(self.root, self.job, pending, self.start, self.world, launcher_cause)
             self.observer.interruptions(self.root.read_json(self.job, INTERRUPTIONS_FILE))
+        if self.pulse:
+            self.pulse.took_over(done)
         # Paid from the moment the attempt before died (or this run started): nothing goes unbilled.
         self.observer.open_cost_segment(config.get("run_id") or "", pending.time if pending else
                                         config.get("attempt_started_at") or time.time(),

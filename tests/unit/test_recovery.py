@@ -127,3 +127,49 @@ def test_a_lost_peer_is_a_node_loss_only_when_ray_reports_a_node_dead():
     checks = []
     assert settle_peer_lost(lambda: checks.append(1) or False, wait_s=0.05, poll_s=0.01) == "user_error"
     assert len(checks) >= 2, "it asked Ray more than once before charging the user"
+
+
+def test_a_node_lost_a_moment_after_a_restart_is_recorded_once_as_a_node_loss(monkeypatch, tmp_path):
+    """A spot notice ends attempt 1 (its last beat: the just-in-time checkpoint's); attempt 2 trains
+    one step and records that interruption; its node is cut before its heartbeat thread ticks (the
+    rehearsal cut it a second after the restart). Attempt 3 must record a node loss of attempt 2,
+    not the notice again with its time and cause."""
+    import time
+
+    from cluster.storage import open_root
+    from trainers import recovery
+    from trainers.recovery import INTERRUPTIONS_FILE, Heartbeats, StopFlag
+    from trainers.trainer import Clock, Pulse, Trainer
+
+    store: dict[bytes, bytes] = {}
+    monkeypatch.setattr(recovery, "kv_get", store.get)
+    monkeypatch.setattr(recovery, "kv_put", store.__setitem__)
+    monkeypatch.setattr(recovery, "kv_exists", store.__contains__)
+    root = open_root(str(tmp_path))
+
+    class Observer:
+        def interruptions(self, records: list[dict]) -> None:
+            pass
+
+        def open_cost_segment(self, *args) -> None:
+            pass
+
+    def attempt(previous_failure: str | None) -> Trainer:
+        """Rank 0 of an attempt restored at step 750, as far as its first step; its heartbeat thread
+        is never started, so it never ticks."""
+        trainer = object.__new__(Trainer)
+        beats = Heartbeats("root/job", "run-1", interval_s=3600)
+        trainer.pending_beat, trainer.pulse = beats.last(), Pulse(beats, StopFlag("root/job"), 2, interval_s=3600)
+        trainer.config = {"run_id": "run-1", "previous_failure": previous_failure, "attempt_started_at": time.time()}
+        trainer.clock, trainer.observer = Clock(time.perf_counter()), Observer()
+        trainer.root, trainer.job, trainer.start, trainer.world = root, "job", 750, 2
+        return trainer
+
+    Pulse(Heartbeats("root/job", "run-1"), StopFlag("root/job"), 2).checkpointed(750, jit=True)
+    attempt("preemption").after_first_step(751)
+    time.sleep(0.01)
+    attempt("node_lost").after_first_step(751)
+    records = root.read_json("job", INTERRUPTIONS_FILE)
+    assert [r["cause"] for r in records] == ["preemption notice", "node lost"], records
+    assert records[1]["interrupted_at"] > records[0]["interrupted_at"], records
+    assert records[1]["step_reached"] == 751, records
