@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from processes import start_time
 from waiting import wait_for
 
 from cluster.rehearsal.cloud import Cloud, RehearsalError
@@ -76,28 +77,47 @@ class Launcher:
                                        start_new_session=True)
         self.dashboard = f"http://127.0.0.1:{port}"
 
+    def api(self, path: str, params: dict | None = None) -> dict | None:
+        """GET from the head's dashboard through the tunnel, with this machine's token; None while it
+        does not answer. The test's polls go this way: a Ray CLI call or a Python driver on the head
+        costs a process, Ray's import and a cluster connection each time (~2 CPU-seconds here)."""
+        import requests
+
+        token = (self.home / ".ray" / "auth_token").read_text().strip()
+        try:
+            got = requests.get(self.dashboard + path, params=params, headers={"Authorization": f"Bearer {token}"},
+                               timeout=30)
+        except requests.RequestException:
+            return None
+        return got.json() if got.status_code == 200 else None
+
     def close_tunnel(self) -> None:
         if self.tunnel and self.tunnel.poll() is None:
             os.killpg(self.tunnel.pid, signal.SIGTERM)
             self.tunnel.wait(timeout=20)
 
 
-def on_head(cloud: Cloud, python: str, timeout: float = 120) -> str:
-    """Run Python on the head as its user, connected to the cluster with the node's token."""
-    proc = cloud.ssh(cloud.head, f"RAY_AUTH_MODE=token python3 -c {json.dumps(python)}", check=False,
-                     timeout=timeout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout.strip().splitlines()[-1]
+def listed(launcher: Launcher, resource: str, **equal: str) -> list[dict] | None:
+    """Ray's state API (`ray list <resource>`) through the tunnel; None while the head does not answer."""
+    body = launcher.api(f"/api/v0/{resource}", {"limit": 1000, "filter_keys": list(equal),
+                                                "filter_predicates": ["="] * len(equal),
+                                                "filter_values": list(equal.values())})
+    return body["data"]["result"]["result"] if body and body.get("result") else None
 
 
-ALIVE_NODES = ("import ray, json; ray.init(address='auto', logging_level='ERROR', log_to_driver=False); "
-               "print(json.dumps(sorted(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive'])))")
-TRAINING_NODES = ("import json, ray; from ray.util.state import list_actors; "
-                  "ray.init(address='auto', logging_level='ERROR', log_to_driver=False); "
-                  "ips = {n['NodeID']: n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']}; "
-                  "acts = list_actors(filters=[('class_name', '=', 'RayTrainWorker'), ('state', '=', 'ALIVE')], "
-                  "raise_on_missing_output=False); "
-                  "print(json.dumps(sorted(ips[a.node_id] for a in acts if a.node_id in ips)))")
+def alive_node_ips(launcher: Launcher) -> list[str] | None:
+    nodes = listed(launcher, "nodes", state="ALIVE")
+    return None if nodes is None else sorted(n["node_ip"] for n in nodes)
+
+
+def training_node_ips(launcher: Launcher) -> list[str] | None:
+    """The addresses of the nodes that hold a live Ray Train worker, one entry per worker."""
+    nodes, actors = listed(launcher, "nodes", state="ALIVE"), listed(launcher, "actors", class_name="RayTrainWorker",
+                                                                      state="ALIVE")
+    if nodes is None or actors is None:
+        return None
+    ips = {n["node_id"]: n["node_ip"] for n in nodes}
+    return sorted(ips[a["node_id"]] for a in actors if a["node_id"] in ips)
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +152,10 @@ def rehearsal():
         launcher.ray("get-auth-token", "--generate")  # the README's first step
         (home / ".ray" / "auth_token").chmod(0o600)
         up = launcher.ray("up", "-y", "--no-config-cache", str(config), timeout=900)
-        nodes = wait_for(lambda: (lambda ips: ips if len(ips) == 4 else None)(json.loads(on_head(cloud, ALIVE_NODES))),
-                         420, "the head and 3 workers to join", poll_s=5)
-        launcher.open_tunnel()
-        wait_for(lambda: launcher.ray("job", "list", "--address", launcher.dashboard, check=False,
-                                      timeout=30).returncode == 0, 60, "the Jobs API through the tunnel", poll_s=1)
+        launcher.open_tunnel()  # the head is up: its dashboard answers through `ray dashboard`'s tunnel
+        wait_for(lambda: launcher.api("/api/jobs/") is not None, 120, "the Jobs API through the tunnel", poll_s=1)
+        nodes = wait_for(lambda: (lambda ips: ips if ips and len(ips) == 4 else None)(alive_node_ips(launcher)),
+                         420, "the head and 3 workers to join", poll_s=2)
         print(f"rehearsal cloud up in {time.monotonic() - started:.0f}s")
         yield type("Rehearsal", (), {"cloud": cloud, "launcher": launcher, "s3": s3, "up": up, "nodes": nodes})
     finally:
@@ -216,15 +235,15 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
     def logs() -> str:
         return launcher.ray("job", "logs", "--address", launcher.dashboard, job, check=False, timeout=60).stdout
 
-    def job_status() -> str:  # Ray's CLI writes "Job 'x' succeeded" to stderr
-        probe = launcher.ray("job", "status", "--address", launcher.dashboard, job, check=False, timeout=60)
-        return (probe.stdout + probe.stderr).lower()
+    def job_status() -> str:
+        body = launcher.api(f"/api/jobs/{job}")
+        return body["status"].lower() if body else ""
 
     try:
         wait_for(lambda: checkpoint_steps(fs, name), 300, "the first checkpoint", poll_s=1)
         phase("first checkpoint")
-        first = wait_for(lambda: (lambda ips: ips if len(ips) == 2 else None)(json.loads(on_head(cloud, TRAINING_NODES))),
-                         120, "2 training workers", poll_s=3)
+        first = wait_for(lambda: (lambda ips: ips if ips and len(ips) == 2 else None)(training_node_ips(launcher)),
+                         120, "2 training workers", poll_s=1)
         assert cloud.head.ip not in first, "training runs on the workers, as GPU workers do on AWS"
         spot = by_ip[first[0]]
         cloud.interrupt(spot, deadline_s=25)
@@ -239,13 +258,13 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
         assert records[0]["cause"] == "preemption notice", records
         assert records[0]["steps_lost"] <= 1, records
         second = wait_for(lambda: (lambda ips: ips if ips and spot.ip not in ips and len(ips) == 2 else None)(
-            json.loads(on_head(cloud, TRAINING_NODES))), 240, "training on the 2 nodes left", poll_s=3)
+            training_node_ips(launcher)), 240, "training on the 2 nodes left", poll_s=1)
         # Cut at once: each step all-reduces with every rank, so the job cannot reach its target
         # without noticing the lost node, however fast it steps.
         cloud.cut_network(by_ip[second[0]])
         phase(f"training on 2 nodes again; network of {by_ip[second[0]].name} cut")
         status = wait_for(lambda: (lambda s: s if any(w in s for w in ("succeeded", "failed", "stopped")) else None)(
-            job_status()), 480, "the job to end", poll_s=5)
+            job_status()), 480, "the job to end", poll_s=2)
         phase(f"job ended: {status.strip()[-60:]}")
         text = logs()
         assert "succeeded" in status, status + text[-4000:]
@@ -258,14 +277,6 @@ def test_elastic_job_survives_a_spot_notice_and_a_lost_node(rehearsal):
     assert summary["world_size"] == 1
 
 
-def _started(pid: int) -> str | None:
-    """A process's start time (a pid may be reused by a new process), or None once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except OSError:
-        return None
-
-
 def test_nothing_is_left_running_after_the_cloud_stops():
     """A small cloud of its own: after stop, no namespace, node user process, sshd or bridge remains."""
     cloud = Cloud(Path(f"/var/tmp/etrain-rehearsal-stop-{os.getpid()}"), workers=1, prefix="etz", subnet="10.77.1",
@@ -274,11 +285,11 @@ def test_nothing_is_left_running_after_the_cloud_stops():
         cloud.ssh(cloud.nodes[1], "nohup sleep 600 > /dev/null 2>&1 &")
         # A process listed may be gone before its start time is read (the ssh session that started
         # the sleep): only those seen running are checked, or "gone" would match "gone" below.
-        running = {pid: started for pid in cloud.pids() if (started := _started(pid)) is not None}
+        running = {pid: started for pid in cloud.pids() if (started := start_time(pid)) is not None}
         assert len(running) >= 3, "each node's sshd and the worker's sleep are seen"
     assert cloud.pids() == []
     for pid, started in running.items():
-        assert _started(pid) != started, f"process {pid} still runs"
+        assert start_time(pid) != started, f"process {pid} still runs"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n.netns in listed for n in cloud.nodes)
     assert subprocess.run(["ip", "link", "show", "etz-br0"], capture_output=True).returncode != 0
