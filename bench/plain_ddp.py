@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import pyarrow.parquet as pq
@@ -23,20 +22,27 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 WINDOW_STEPS = 100  # the etrain side logs its samples/s every 100 steps: the same windows here
 WARMUP_FRACTION = 0.1
+TRIM_FRACTION = 0.1
 
 
-def steady_rate(window_rates: list[float], warmup_fraction: float = WARMUP_FRACTION) -> float:
-    """Steady samples/s: the median of a run's per-window rates, its first tenth left out.
+def steady_rate(window_rates: list[float], warmup_fraction: float = WARMUP_FRACTION,
+                trim_fraction: float = TRIM_FRACTION) -> float:
+    """Steady samples/s from a run's per-window rates (windows of equal samples): the first tenth
+    left out, then the slowest and the fastest tenth, and the mean of the rest by time (samples
+    over seconds).
 
     Both sides of a comparison are judged by this one rule. The first windows carry start-up (on
-    the etrain side Ray's controller starts its helper actors beside the first steps); the median
-    keeps a window that another process on this shared machine slowed from moving the figure,
-    where a mean over the run takes it whole.
+    the etrain side Ray's controller starts its helper actors beside the first steps). Trimming a
+    tenth at each end keeps a window that another process on this shared machine slowed from
+    deciding the figure, while any cost in more than a tenth of the windows (a heartbeat every
+    second, a checkpoint every window) stays in it, as a median would not keep it.
     """
     if not window_rates:
         raise ValueError("no windows to measure: run more steps than one window")
-    kept = window_rates[int(len(window_rates) * warmup_fraction):] or window_rates
-    return statistics.median(kept)
+    kept = sorted(window_rates[int(len(window_rates) * warmup_fraction):] or window_rates)
+    cut = int(len(kept) * trim_fraction)
+    core = kept[cut:len(kept) - cut] or kept
+    return len(core) / sum(1.0 / rate for rate in core)
 
 
 def digits_pairs(path: str) -> TensorDataset:

@@ -158,9 +158,12 @@ class Pulse:
         the beat an attempt after this one reads is this attempt's. A failure before the first tick
         (a node cut a second after the restart) would otherwise leave the previous attempt's beat
         there, and the next attempt would record that interruption again, cause and all."""
-        with self._lock:
-            self.beats.beat(step, self.world, force=True)
-            self._held_at = 0
+        try:
+            with self._lock:
+                self.beats.beat(step, self.world, force=True)
+                self._held_at = 0
+        except Exception as exc:  # boundary: as in _run, a missed beat must not end the attempt
+            worker_log().warning("note: heartbeat: %s: %s", type(exc).__name__, exc)
 
     def checkpointed(self, step: int, jit: bool) -> None:
         """A beat at each checkpoint; after a just-in-time one, none until training moves on."""

@@ -173,3 +173,16 @@ def test_a_node_lost_a_moment_after_a_restart_is_recorded_once_as_a_node_loss(mo
     assert [r["cause"] for r in records] == ["preemption notice", "node lost"], records
     assert records[1]["interrupted_at"] > records[0]["interrupted_at"], records
     assert records[1]["step_reached"] == 751, records
+
+
+def test_a_beat_that_fails_at_the_first_step_does_not_end_the_attempt(monkeypatch):
+    """Ray's GCS unreachable for a moment at step 1: the heartbeat is missed (a warning), training goes on."""
+    from trainers import recovery
+    from trainers.recovery import Heartbeats, StopFlag
+    from trainers.trainer import Pulse
+
+    def refused(key, value):
+        raise ConnectionError("GCS unavailable")
+
+    monkeypatch.setattr(recovery, "kv_put", refused)
+    Pulse(Heartbeats("root/job", "run-1"), StopFlag("root/job"), 2, interval_s=3600).took_over(1)
