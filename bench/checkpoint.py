@@ -8,10 +8,10 @@ asynchronously ("async"), and once with synchronous uploads ("sync"). Figures:
   A run's samples/s is its steady rate (bench/plain_ddp.py's ``steady_rate``: its logged windows,
   the first tenth left out, then the slowest and fastest tenth), and a window is one checkpoint
   interval long, so every window of an async run holds one checkpoint's copy, write, upload and
-  report (one still in flight when the next is due is skipped: the checkpoints taken are printed). Runs of
-  one job on this shared 2-core machine differ by up to ~20% from one to the next, so none and
-  async run as pairs, back to back (their order alternating), and the figure is the median of
-  the pairs' ratios; the ratio of the runs' mean samples/s is printed beside it.
+  report (one still in flight when the next is due is skipped: the checkpoints taken are
+  printed). Runs of one job on this shared 2-core machine differ by up to ~20% from one to the
+  next, so none and async run as pairs, back to back (their order alternating), and the figure
+  is the median of the pairs' ratios; the ratio of the runs' mean samples/s is printed beside it.
 - report() blocking seconds, async and sync (median over the job's checkpoints): what the
   training thread paid at a checkpoint (the state copy is reported apart, as save seconds).
 - async checkpoints taken: an interval checkpoint is left to the next interval step while the

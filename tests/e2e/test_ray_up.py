@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 import yaml
+from dashboard import dashboard_get
 from processes import session_pids, start_time, stop_all
 from waiting import wait_for
 
@@ -119,15 +119,8 @@ ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 def jobs_api(path: str) -> dict | list | None:
-    """GET the head's Jobs API with the token `ray get-auth-token` made; None while it does not answer.
-    The test's polls go this way: a `ray job` CLI call costs a process and Ray's import each time."""
-    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
-    try:
-        got = requests.get(f"http://127.0.0.1:8265/api/jobs/{path}", headers={"Authorization": f"Bearer {token}"},
-                           timeout=30)
-    except requests.RequestException:
-        return None
-    return got.json() if got.status_code == 200 else None
+    """The head's Jobs API, with the token `ray get-auth-token` made; None while it does not answer."""
+    return dashboard_get(f"http://127.0.0.1:8265/api/jobs/{path}", Path.home() / ".ray" / "auth_token")
 
 
 @pytest.mark.timeout(1800)  # `ray up` installs the node's environment: minutes on a fresh machine

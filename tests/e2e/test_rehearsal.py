@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dashboard import dashboard_get
 from processes import start_time
 from waiting import wait_for
 
@@ -79,17 +80,8 @@ class Launcher:
 
     def api(self, path: str, params: dict | None = None) -> dict | None:
         """GET from the head's dashboard through the tunnel, with this machine's token; None while it
-        does not answer. The test's polls go this way: a Ray CLI call or a Python driver on the head
-        costs a process, Ray's import and a cluster connection each time (~2 CPU-seconds here)."""
-        import requests
-
-        token = (self.home / ".ray" / "auth_token").read_text().strip()
-        try:
-            got = requests.get(self.dashboard + path, params=params, headers={"Authorization": f"Bearer {token}"},
-                               timeout=30)
-        except requests.RequestException:
-            return None
-        return got.json() if got.status_code == 200 else None
+        does not answer. The test's polls go this way (tests/fixtures/dashboard.py says why)."""
+        return dashboard_get(self.dashboard + path, self.home / ".ray" / "auth_token", params)
 
     def close_tunnel(self) -> None:
         if self.tunnel and self.tunnel.poll() is None:
