@@ -200,8 +200,10 @@ def test_auto_loader_workers_cut_the_wait_for_slow_data(ray_local, tmp_path):
     assert code == EXIT_OK, summary
     state = final_state(summary)
     assert state["loader"]["num_workers"] > 0, state["loader"]
-    # The wait once the choice is made (by step ~100: each setting is measured for MIN_PROBE_S), over
-    # the last 100 steps: one log window of 20 steps (~0.3 s) is one late wake-up from 5%.
+    # The wait once the choice is made (by step ~100: each setting is measured for MIN_PROBE_S), in
+    # the 5 log windows of the last 100 steps. Their median is below 5%: one window of 20 steps
+    # (~0.3 s) is one late wake-up on a busy machine from 25% (in CI: 3%, 3%, 1%, 5%, 25%), and that
+    # is not the loader. One loader process leaves 24-40% in every window, none ~62%.
     rows = read_history(open_root(str(tmp_path)), "slow-data")
-    after = [row["data_wait_fraction"] for row in rows if row["step"] > 140]
-    assert len(after) == 5 and sum(after) / len(after) < 0.05, rows
+    after = sorted(row["data_wait_fraction"] for row in rows if row["step"] > 140)
+    assert len(after) == 5 and after[2] < 0.05, rows
