@@ -272,6 +272,9 @@ def test_user_factories_and_user_loop(flaky, tmp_path):
     code, summary = run_job(spec)
     assert code == EXIT_OK, summary
     assert Path(summary["checkpoint_uri"], "done.txt").read_text() == "own-loop"
+    # Ray starts its workers at nice 15, where every wake-up of its daemons preempts a rank and
+    # stalls DDP's lockstep (trainers.launch.WORKER_ENV): training workers run at nice 0.
+    assert Path(summary["checkpoint_uri"], "nice.txt").read_text() == "0"
 
 
 def test_user_error_uses_the_budget_and_resumes_from_checkpoint(flaky):
