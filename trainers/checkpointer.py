@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from trainers import checkpoint as ckpt
+from trainers.worker_log import worker_log
 
 
 class Kind(Enum):
@@ -46,6 +47,11 @@ def checkpoint_kind(done: int, stop: int, interval_steps: int, gap_ok: bool, pre
     if done % interval_steps == 0 and gap_ok:
         return Kind.INTERVAL
     return None
+
+
+# How long a failed attempt waits for its checkpoint in flight to be reported: a report waits for
+# the controller's next poll (~2 s) after the upload.
+SETTLE_TIMEOUT_S = 30.0
 
 
 def interval_checkpoint_ok(since_last_s: float, min_gap_s: float, previous_in_flight: bool) -> bool:
@@ -149,6 +155,22 @@ class Checkpointer:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
+
+    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+        """On the way out of a failed attempt: let the checkpoint in flight finish its report (every
+        rank's checkpoint thread meets in Ray's report barrier, whatever its training thread hit),
+        so the next attempt resumes from it. Without this a failure a few steps after an interval
+        checkpoint tore the worker group down mid-report, and the retry started from the one before
+        (or from scratch). Its own error, or a report that does not finish in ``timeout_s`` (a rank
+        that is gone), is logged: the attempt's failure is the one that counts."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        try:
+            pending.result(timeout=timeout_s)
+        except Exception as exc:  # boundary: the loop's own error is already on its way out
+            worker_log().warning("note: the checkpoint in flight at the failure did not finish: %s: %s",
+                                 type(exc).__name__, exc)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

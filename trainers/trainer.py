@@ -337,6 +337,9 @@ class Trainer:
                     self.logger.info("stop requested: stopped at step %d with a checkpoint; run again to resume", done)
                     break
             self.checkpointer.wait()
+        except Exception:
+            self.checkpointer.settle()  # the retry resumes from the checkpoint already under way
+            raise
         finally:
             if self.pulse:
                 self.pulse.stop()

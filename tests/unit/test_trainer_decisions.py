@@ -109,3 +109,47 @@ def test_short_gil_slices_only_while_the_background_work_runs():
     with pytest.raises(RuntimeError), short_gil_slices(0.0005):
         raise RuntimeError("a failed upload")
     assert sys.getswitchinterval() == before
+
+
+def settling_checkpointer(work):
+    """A rank-0 Checkpointer whose checkpoint in flight is ``work`` (run on its own thread)."""
+    from trainers.checkpointer import Checkpointer
+
+    spec = validate({"name": "settle", "checkpoint": {"interval": 5}})
+    c = Checkpointer(spec, None, "run", 0, 1, torch.device("cpu"), None, lambda step, jit: None)
+    c._pending = c._pool.submit(work)
+    return c
+
+
+def test_a_failed_attempt_lets_the_checkpoint_in_flight_finish_its_report():
+    """A failure a few steps after an interval checkpoint: that checkpoint's report still lands,
+    so the retry resumes from it (close() alone would leave it to be torn down mid-report)."""
+    import threading
+    import time
+
+    reported = threading.Event()
+    c = settling_checkpointer(lambda: (time.sleep(0.3), reported.set()))
+    c.settle(timeout_s=10)
+    assert reported.is_set()
+    c.close()
+
+
+def test_settling_logs_a_failed_or_stuck_checkpoint_and_does_not_hang(caplog):
+    import threading
+    import time
+
+    def failing():
+        raise OSError("503 SlowDown")
+
+    c = settling_checkpointer(failing)
+    with caplog.at_level("WARNING"):
+        c.settle(timeout_s=10)  # the attempt's own error is what goes on: this one is only a note
+    assert "did not finish: OSError: 503 SlowDown" in caplog.text
+    release = threading.Event()
+    c = settling_checkpointer(release.wait)  # a report whose barrier a lost rank never joins
+    started = time.monotonic()
+    with caplog.at_level("WARNING"):
+        c.settle(timeout_s=0.3)
+    assert time.monotonic() - started < 5 and "did not finish: TimeoutError" in caplog.text
+    release.set()
+    c.close()
