@@ -150,11 +150,11 @@ class Checkpointer:
         else:
             self._pending = self._pool.submit(self._in_background, done, snapshot, dict(metrics), then)
 
-    def wait(self) -> None:
-        """Until the checkpoint in flight is reported; its error, if any, is raised here."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until the checkpoint in flight is reported; its error (or TimeoutError), if any, is raised here."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            pending.result(timeout=timeout_s)
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
         """On the way out of a failed attempt: let the checkpoint in flight finish its report (every
@@ -163,11 +163,8 @@ class Checkpointer:
         checkpoint tore the worker group down mid-report, and the retry started from the one before
         (or from scratch). Its own error, or a report that does not finish in ``timeout_s`` (a rank
         that is gone), is logged: the attempt's failure is the one that counts."""
-        if self._pending is None:
-            return
-        pending, self._pending = self._pending, None
         try:
-            pending.result(timeout=timeout_s)
+            self.wait(timeout_s)
         except Exception as exc:  # boundary: the loop's own error is already on its way out
             worker_log().warning("note: the checkpoint in flight at the failure did not finish: %s: %s",
                                  type(exc).__name__, exc)
