@@ -3,20 +3,27 @@
 The same model (digits MLP), data (the digits Parquet, held in memory as tensors on both
 sides: bench/plain_ddp.py's ``digits_pairs``), global batch, optimizer, 2 gloo workers and
 1 thread each, trained (a) by torchrun running bench/plain_ddp.py and (b) by `etrain run`
-on a local Ray. Figures:
+on a local Ray.
 
-- throughput ratio: (b)'s steady samples/s over (a)'s, each from the run's 100-step windows
-  with the first tenth left out, then the slowest and fastest tenth (bench/plain_ddp.py's
-  ``steady_rate``: start-up and a window that another process on this shared machine slowed do
-  not decide it; every cost of ours in more than a tenth of the windows stays). Target >= 0.98
-  (Ray's own release test only asks <= 1.15 in time). The ratio of the runs' mean samples/s
-  (every window after the first step) is printed beside it.
+The two run at once and take turns: each runs for a slice of a few seconds while every process
+of the other (torchrun's ranks; the etrain driver, its Ray and Ray's workers) is stopped
+(SIGSTOP), and the turns alternate until one ends. This machine's speed swings by up to 2x
+within minutes (other tenants of its host): run one after the other, a pair's ratio ranged
+0.57-1.83 in one hour, so a ratio of runs told more about the host than about the loop. In
+turns of seconds both meet the same host. Only a 100-step window that lies wholly inside one
+turn counts, from a moment after the turn began (a resumed process refills its caches, and
+its ranks meet again). Figures:
+
+- throughput ratio: (b)'s steady samples/s over (a)'s, each from its counted windows
+  (bench/plain_ddp.py's ``steady_rate``: the first tenth left out, then the slowest and fastest
+  tenth; every cost of ours in more than a tenth of the windows stays: Ray's processes run in
+  (b)'s turns only). Target >= 0.98 (Ray's own release test only asks <= 1.15 in time).
 - throughput ratio with our loader: (b) reading the built-in digits set through our own
   data path (Parquet -> plan -> loader) instead of the in-memory tensors; reported.
-- end-to-end ratio: wall time of the whole command, start-up included, (b) over (a); reported,
-  no target (Ray's start-up is the difference).
+- end-to-end ratio: the time each whole command ran (its turns, and alone after the other
+  ended), start-up included, (b) over (a); reported, no target (Ray's start-up is the difference).
 
-    python bench/ddp_overhead.py [--steps 3000] [--repeats 1]
+    python bench/ddp_overhead.py [--steps 6000] [--repeats 1] [--slice-s 4]
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import json
 import os
 import statistics
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +42,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO)]
 PY = sys.executable
-EXTRA: list[str] = []
 
 from bench.plain_ddp import WINDOW_STEPS, steady_rate  # noqa: E402  (the repository is on the path from here)
 from cluster.storage import open_root  # noqa: E402
@@ -48,76 +55,166 @@ def prepare_data(root: str) -> str:
     return prepare_builtin(validate({"name": "x"}), open_root(root), DATASET_FILE, digits_table)
 
 
-def plain(data: str, steps: int, batch: int, hidden: int) -> tuple[float, float, float]:
-    """torchrun's run: (steady samples/s, mean samples/s, wall seconds)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    started = time.perf_counter()
-    out = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(REPO / "bench" / "plain_ddp.py"), "--data", data, "--steps", str(steps),
-                          "--batch-size", str(batch), "--hidden", str(hidden)],
-                         capture_output=True, text=True, env=env, timeout=900)
-    wall = time.perf_counter() - started
-    if out.returncode != 0:
-        raise SystemExit(f"torchrun failed:\n{out.stderr[-3000:]}")
-    figures = json.loads([x for x in out.stdout.splitlines() if x.startswith("{")][-1])
-    return figures["samples_per_s"], figures["mean_samples_per_s"], wall
+STARTUP_STEPS = 4000  # ~15 s of torchrun's training: about what etrain's start (a local Ray) takes
 
 
-def ours(root: str, steps: int, batch: int, hidden: int, name: str,
-         data: str | None = None) -> tuple[float, float, float]:
-    """One etrain run: (steady samples/s from its history's windows, the summary's mean samples/s,
-    wall seconds); ``data``: the Parquet file to hold in memory (else the built-in set, our loader)."""
+def plain_command(data: str, steps: int, batch: int, hidden: int) -> tuple[list[str], dict]:
+    """torchrun's run of bench/plain_ddp.py: (command, environment)."""
+    return ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(REPO / "bench" / "plain_ddp.py"),
+             "--data", data, "--steps", str(steps), "--batch-size", str(batch), "--hidden", str(hidden)],
+            {**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def ours_command(root: str, steps: int, batch: int, hidden: int, name: str,
+                 data: str | None = None) -> tuple[list[str], dict]:
+    """One `etrain run` of the quickstart at the same settings: (command, environment). ``data``: the
+    Parquet file to hold in memory (else the built-in set through our loader)."""
     env = {**os.environ, "ETRAIN_STORAGE_ROOT": root, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
     in_memory = ["--set", "data.factory=bench.plain_ddp:digits_pairs", "--set", "data.source=null",
                  "--set", f"data.options={{path: {data}}}"] if data else []
-    env.pop("RAY_ADDRESS", None)
-    started = time.perf_counter()
-    out = subprocess.run([PY, "-m", "trainers.train", str(REPO / "configs" / "quickstart.yaml"), "--json",
-                          "--set", f"name={name}", "--set", f"training.max_steps={steps}",
-                          "--set", f"training.batch_size={batch}", "--set", "training.learning_rate=0.001",
-                          "--set", "training.lr_schedule={kind: constant}",
-                          "--set", f"training.log_interval_steps={WINDOW_STEPS}",
-                          "--set", f"model.hidden_size={hidden}", "--set", f"checkpoint.interval={steps}",
-                          "--set", "distributed.num_workers=2", *in_memory, *EXTRA],
-                         capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
-    wall = time.perf_counter() - started
-    if out.returncode != 0:
-        raise SystemExit(f"etrain run failed:\n{out.stderr[-3000:]}")
-    summary = json.loads((Path(root) / name / "summary.json").read_text())  # stdout also carries Ray's worker logs
-    rates = [row["samples_per_s"] for row in read_history(open_root(root), name)]
-    return steady_rate(rates), summary["samples_per_s"], wall
+    return ([PY, "-m", "trainers.train", str(REPO / "configs" / "quickstart.yaml"), "--json",
+             "--set", f"name={name}", "--set", f"training.max_steps={steps}",
+             "--set", f"training.batch_size={batch}", "--set", "training.learning_rate=0.001",
+             "--set", "training.lr_schedule={kind: constant}",
+             "--set", f"training.log_interval_steps={WINDOW_STEPS}",
+             "--set", f"model.hidden_size={hidden}", "--set", f"checkpoint.interval={steps}",
+             "--set", "distributed.num_workers=2", *in_memory], env)
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun's ranks; the etrain driver's Ray: its GCS, raylet,
+    dashboard, and the workers and actors the raylet started)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    for p in descendants(pid):
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def alternate(procs: dict[str, subprocess.Popen], slice_s: float) -> dict[str, list[tuple[float, float]]]:
+    """Run the process trees one at a time, ``slice_s`` each in turn, the others stopped (SIGSTOP),
+    until one of them ends; then all run on. Returns each one's running slices (wall clock)."""
+    slices: dict[str, list[tuple[float, float]]] = {name: [] for name in procs}
+    try:
+        while all(p.poll() is None for p in procs.values()):
+            for name, proc in procs.items():
+                for other, p in procs.items():
+                    if other != name:
+                        signal_tree(p.pid, signal.SIGSTOP)
+                signal_tree(proc.pid, signal.SIGCONT)
+                began = time.time()
+                try:
+                    proc.wait(slice_s)
+                except subprocess.TimeoutExpired:
+                    pass
+                slices[name].append((began, time.time()))
+                if proc.poll() is not None:
+                    break
+    finally:
+        for p in procs.values():
+            signal_tree(p.pid, signal.SIGCONT)
+    return slices
+
+
+def windows_in_slices(marks: list[float], slices: list[tuple[float, float]], settle_s: float) -> list[float]:
+    """The durations of the windows between consecutive ``marks`` that lie wholly inside one running
+    slice, starting at least ``settle_s`` after it began (a resumed process first refills its caches
+    and catches up with its peers): a window cut by a stop is not one the process ran through."""
+    kept = []
+    for a, b in zip(marks, marks[1:]):
+        if any(start + settle_s <= a and b <= end for start, end in slices):
+            kept.append(b - a)
+    return kept
+
+
+def sliced_pair(plain_cmd: tuple[list[str], dict], ours_cmd: tuple[list[str], dict], ours_root: str, ours_name: str,
+                batch: int, slice_s: float, settle_s: float) -> tuple[float, float, float]:
+    """Plain DDP and one etrain run at once, taking turns on the machine in slices of ``slice_s``:
+    both meet the same host, whose speed here swings by up to 2x within minutes (one after the other,
+    a pair's ratio ranged 0.57-1.83). Returns (plain steady samples/s, ours, running-time ratio of the
+    whole commands, start-up included). Only windows inside a slice count (:func:`windows_in_slices`)."""
+    logs = tempfile.TemporaryDirectory(prefix="etrain-bench-sliced-")
+    procs = {}
+    for side, (cmd, env) in (("plain", plain_cmd), ("ours", ours_cmd)):
+        out = open(Path(logs.name) / f"{side}.out", "w+")
+        procs[side] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        signal_tree(procs[side].pid, signal.SIGSTOP)  # the first slice starts them in turn
+    slices = alternate(procs, slice_s)
+    finished = {}
+    for side, proc in procs.items():  # whichever is left runs alone to its end
+        began = time.time()
+        proc.wait(900)
+        finished[side] = time.time() - began
+        if proc.returncode != 0:
+            output = (Path(logs.name) / f"{side}.out").read_text()
+            raise SystemExit(f"{side} run failed:\n{output[-3000:]}")
+    plain_out = (Path(logs.name) / "plain.out").read_text()
+    plain_marks = json.loads([x for x in plain_out.splitlines() if x.startswith("{")][-1])["window_marks"]
+    ours_marks = [row["time"] for row in read_history(open_root(ours_root), ours_name)]
+    rates = {}
+    for side, marks in (("plain", plain_marks), ("ours", ours_marks)):
+        durations = windows_in_slices(marks, slices[side], settle_s)
+        rates[side] = steady_rate([WINDOW_STEPS * batch / d for d in durations])
+    running = {side: sum(b - a for a, b in slices[side]) + finished[side] for side in procs}
+    return rates["plain"], rates["ours"], running["ours"] / running["plain"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=6000, help="steps of each etrain run")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=1, help="pairs of runs, interleaved")
+    parser.add_argument("--repeats", type=int, default=1, help="sliced pairs of each kind")
+    parser.add_argument("--slice-s", type=float, default=4.0, help="how long each side runs in its turn")
+    parser.add_argument("--settle-s", type=float, default=0.3, help="windows starting this soon after a turn begins "
+                        "are not counted")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="etrain-bench-ddp-")
     data = prepare_data(root)
-    ratios, mean_ratios, walls, loader_ratios = [], [], [], []
+    # torchrun starts in seconds where etrain starts Ray: its extra steps keep it running until etrain trains
+    plain_steps = args.steps + STARTUP_STEPS
+    figures: dict[str, list[float]] = {"plain": [], "ours": [], "loader": [], "ratio": [], "loader ratio": [], "wall": []}
     for i in range(args.repeats):
-        a_rate, a_mean, a_wall = plain(data, args.steps, args.batch_size, args.hidden)
-        b_rate, b_mean, b_wall = ours(root, args.steps, args.batch_size, args.hidden, f"ddp-bench-{i}", data)
-        c_rate, _, _ = ours(root, args.steps, args.batch_size, args.hidden, f"ddp-bench-loader-{i}")
-        print(f"[bench] pair {i}: plain {a_rate:.0f} samples/s (mean {a_mean:.0f}) in {a_wall:.1f}s, etrain "
-              f"{b_rate:.0f} samples/s (mean {b_mean:.0f}) in {b_wall:.1f}s, etrain with our loader {c_rate:.0f} "
-              f"samples/s", file=sys.stderr)
-        ratios.append(b_rate / a_rate)
-        mean_ratios.append(b_mean / a_mean)
-        walls.append(b_wall / a_wall)
-        loader_ratios.append(c_rate / a_rate)
-    print(f"plain ddp samples/s: {a_rate:.0f}")
-    print(f"etrain samples/s: {b_rate:.0f}")
-    print(f"plain ddp wall time: {a_wall:.1f}")
-    print(f"etrain wall time: {b_wall:.1f}")
-    print(f"end-to-end time ratio: {statistics.median(walls):.2f}")
-    print(f"etrain samples/s with our loader: {c_rate:.0f}")
-    print(f"throughput ratio with our loader: {statistics.median(loader_ratios):.3f}")
-    print(f"mean throughput ratio: {statistics.median(mean_ratios):.3f}")
-    print(f"throughput ratio: {statistics.median(ratios):.3f}")
+        for kind, data_arg in (("in-memory", data), ("loader", None)):
+            name = f"ddp-bench-{kind}-{i}"
+            a, b, wall = sliced_pair(plain_command(data, plain_steps, args.batch_size, args.hidden),
+                                     ours_command(root, args.steps, args.batch_size, args.hidden, name, data_arg),
+                                     root, name, args.batch_size, args.slice_s, args.settle_s)
+            print(f"[bench] pair {i} ({kind}): plain {a:.0f} samples/s, etrain {b:.0f} samples/s, ratio {b / a:.3f}; "
+                  f"running time ratio {wall:.2f}", file=sys.stderr)
+            if kind == "in-memory":
+                figures["plain"].append(a)
+                figures["ours"].append(b)
+                figures["ratio"].append(b / a)
+                figures["wall"].append(wall)
+            else:
+                figures["loader"].append(b)
+                figures["loader ratio"].append(b / a)
+    median = {k: statistics.median(v) for k, v in figures.items()}
+    print(f"plain ddp samples/s: {median['plain']:.0f}")
+    print(f"etrain samples/s: {median['ours']:.0f}")
+    print(f"end-to-end time ratio: {median['wall']:.2f}")
+    print(f"etrain samples/s with our loader: {median['loader']:.0f}")
+    print(f"throughput ratio with our loader: {median['loader ratio']:.3f}")
+    print(f"throughput ratio: {median['ratio']:.3f} (pairs: {', '.join(f'{r:.3f}' for r in figures['ratio'])})")
 
 
 if __name__ == "__main__":

@@ -75,3 +75,43 @@ def test_steady_rate_trims_start_up_and_outliers_and_keeps_a_frequent_cost(rates
 def test_steady_rate_of_no_windows_says_to_run_longer():
     with pytest.raises(ValueError, match="run more steps than one window"):
         load("plain_ddp").steady_rate([])
+
+
+@pytest.mark.parametrize("marks,slices,expected", [
+    ([0.0, 1.0, 2.0, 3.0], [(-1.0, 3.0)], [1.0, 1.0, 1.0]),  # one slice holds every window
+    ([0.0, 1.0, 5.0, 6.0], [(-1.0, 1.5), (4.5, 6.5)], [1.0, 1.0]),  # the one cut by a stop (1 -> 5) is not
+    ([0.1, 1.0, 2.0], [(0.0, 3.0)], [1.0]),  # it began before the settling time was over
+    ([1.0, 2.0, 3.5], [(0.0, 3.0)], [1.0]),  # it ended after the slice did
+    ([1.0, 2.0], [(3.0, 5.0)], []),  # another's slice
+    ([], [(0.0, 3.0)], []),
+])
+def test_only_windows_wholly_inside_a_running_slice_count(marks, slices, expected):
+    assert load("ddp_overhead").windows_in_slices(marks, slices, settle_s=0.2) == pytest.approx(expected)
+
+
+def test_alternate_runs_one_process_tree_at_a_time(tmp_path):
+    """Two real process trees (a parent and its child each) that note the time every 5 ms: while one
+    has its turn, the other notes nothing, its child included."""
+    import subprocess
+
+    ddp_overhead = load("ddp_overhead")
+    child = ("import sys, time\nend = time.time() + {s}\nwith open(sys.argv[1], 'w') as f:\n"
+             "    while time.time() < end:\n        f.write(f'{{time.time()}}\\n'); f.flush(); time.sleep(0.005)\n")
+    parent = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]], check=True)\n"
+    procs = {name: subprocess.Popen([sys.executable, "-c", parent, child.format(s=4 if name == "a" else 30),
+                                     str(tmp_path / name)]) for name in ("a", "b")}
+    try:
+        for proc in procs.values():
+            ddp_overhead.signal_tree(proc.pid, __import__("signal").SIGSTOP)
+        slices = ddp_overhead.alternate(procs, slice_s=0.5)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    assert procs["a"].returncode == 0, "a ran to its end within its own turns"
+    assert len(slices["a"]) >= 3 and len(slices["b"]) >= 3
+    for name, other in (("a", "b"), ("b", "a")):
+        noted = [float(x) for x in (tmp_path / name).read_text().split()]
+        # A stop reaches a process within a moment of its turn's end; allow 50 ms either way.
+        inside_other = [t for t in noted if any(s + 0.05 < t < e - 0.05 for s, e in slices[other])]
+        assert noted and inside_other == [], f"{name} ran during {other}'s turns"
