@@ -71,8 +71,10 @@ LIMITS = {
         "loop measures at or above plain DDP's DataLoader.",
     "async checkpoint throughput ratio":
         "the two workers keep both cores busy (a checkpoint every 100 steps of ~6 ms is 1.7 a second), so "
-        "every CPU-second spent elsewhere is training lost: the uploads (pyarrow's S3 client: ~22 requests a "
-        "checkpoint, about half Ray's own) and Ray's report. The S3 emulator runs under SCHED_IDLE, as a remote "
+        "every CPU-second spent elsewhere is training lost: the uploads (pyarrow's S3 client: ~20 requests a "
+        "checkpoint counted on moto, 6 of them ours (retention's listing, manifest read and delete; the metrics, "
+        "cost and TensorBoard writes), the rest Ray's: a directory marker for every parent of the checkpoint "
+        "folder, listings, the files, the controller's snapshot) and Ray's report. The S3 emulator runs under SCHED_IDLE, as a remote "
         "bucket would cost this machine nothing, and kept pace (the checkpoints taken are printed beside those "
         "to local disk). Runs of one job differ by up to ~20% from one to the next here, more than the "
         "effect measured: compare the pairs and the ratio to local disk. The training thread only copies "
