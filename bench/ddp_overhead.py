@@ -29,6 +29,7 @@ its ranks meet again). Figures:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -152,20 +153,36 @@ def sliced_pair(plain_cmd: tuple[list[str], dict], ours_cmd: tuple[list[str], di
     a pair's ratio ranged 0.57-1.83). Returns (plain steady samples/s, ours, running-time ratio of the
     whole commands, start-up included). Only windows inside a slice count (:func:`windows_in_slices`)."""
     logs = tempfile.TemporaryDirectory(prefix="etrain-bench-sliced-")
-    procs = {}
-    for side, (cmd, env) in (("plain", plain_cmd), ("ours", ours_cmd)):
-        out = open(Path(logs.name) / f"{side}.out", "w+")
-        procs[side] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        signal_tree(procs[side].pid, signal.SIGSTOP)  # the first slice starts them in turn
-    slices = alternate(procs, slice_s)
-    finished = {}
-    for side, proc in procs.items():  # whichever is left runs alone to its end
-        began = time.time()
-        proc.wait(900)
-        finished[side] = time.time() - began
-        if proc.returncode != 0:
-            output = (Path(logs.name) / f"{side}.out").read_text()
-            raise SystemExit(f"{side} run failed:\n{output[-3000:]}")
+    procs: dict[str, subprocess.Popen] = {}
+    finished: dict[str, float] = {}
+
+    def failed(side: str) -> SystemExit:
+        output = (Path(logs.name) / f"{side}.out").read_text()
+        return SystemExit(f"{side} run failed (exit {procs[side].returncode}):\n{output[-3000:]}")
+
+    try:
+        for side, (cmd, env) in (("plain", plain_cmd), ("ours", ours_cmd)):
+            with open(Path(logs.name) / f"{side}.out", "w") as out:
+                procs[side] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            signal_tree(procs[side].pid, signal.SIGSTOP)  # the first slice starts them in turn
+        slices = alternate(procs, slice_s)
+        for side, proc in procs.items():
+            if proc.poll() not in (None, 0):
+                raise failed(side)  # the other is stopped in `finally`, not run on for nothing
+        for side, proc in procs.items():  # whichever is left runs alone to its end
+            began = time.time()
+            proc.wait(900)
+            finished[side] = time.time() - began
+            if proc.returncode != 0:
+                raise failed(side)
+    finally:  # on a failure or Ctrl-C nothing is left running, or stopped
+        for proc in procs.values():
+            if proc.poll() is None:
+                tree = descendants(proc.pid)
+                for pid in reversed(tree):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                proc.wait()
     plain_out = (Path(logs.name) / "plain.out").read_text()
     plain_marks = json.loads([x for x in plain_out.splitlines() if x.startswith("{")][-1])["window_marks"]
     ours_marks = [row["time"] for row in read_history(open_root(ours_root), ours_name)]

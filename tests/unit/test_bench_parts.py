@@ -115,3 +115,26 @@ def test_alternate_runs_one_process_tree_at_a_time(tmp_path):
         # A stop reaches a process within a moment of its turn's end; allow 50 ms either way.
         inside_other = [t for t in noted if any(s + 0.05 < t < e - 0.05 for s, e in slices[other])]
         assert noted and inside_other == [], f"{name} ran during {other}'s turns"
+
+
+def test_a_side_that_fails_stops_the_pair_at_once_and_leaves_nothing_running(tmp_path):
+    """The other side is not run on to its end for nothing, nor left stopped: its whole tree goes."""
+    import os
+    import time
+
+    ddp_overhead = load("ddp_overhead")
+    pids = tmp_path / "pids"
+    sleeper = ("import os, subprocess, sys, time\nchild = subprocess.Popen([sys.executable, '-c', 'import time; "
+               "time.sleep(60)'])\nopen(sys.argv[1], 'w').write(f'{os.getpid()} {child.pid}')\ntime.sleep(60)\n")
+    failing = ("import sys, time\ntime.sleep(1)\nprint('no such data file', file=sys.stderr)\nsys.exit(3)\n")
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match=r"ours run failed \(exit 3\):\n.*no such data file"):
+        ddp_overhead.sliced_pair(([sys.executable, "-c", sleeper, str(pids)], dict(os.environ)),
+                                 ([sys.executable, "-c", failing], dict(os.environ)),
+                                 str(tmp_path), "x", 128, slice_s=0.5, settle_s=0.1)
+    assert time.monotonic() - started < 30
+    from processes import start_time
+
+    left = [int(p) for p in pids.read_text().split()]
+    assert len(left) == 2
+    assert [pid for pid in left if start_time(pid) is not None] == [], "the sleeper and its child are gone"
