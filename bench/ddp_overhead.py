@@ -29,7 +29,6 @@ its ranks meet again). Figures:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -178,10 +177,7 @@ def sliced_pair(plain_cmd: tuple[list[str], dict], ours_cmd: tuple[list[str], di
     finally:  # on a failure or Ctrl-C nothing is left running, or stopped
         for proc in procs.values():
             if proc.poll() is None:
-                tree = descendants(proc.pid)
-                for pid in reversed(tree):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                signal_tree(proc.pid, signal.SIGKILL)
                 proc.wait()
     plain_out = (Path(logs.name) / "plain.out").read_text()
     plain_marks = json.loads([x for x in plain_out.splitlines() if x.startswith("{")][-1])["window_marks"]
