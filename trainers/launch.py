@@ -32,7 +32,7 @@ from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint as ckpt
 from trainers.config import JobSpec, SpecError
 from trainers.home import JobHome, job_home
-from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, settle_peer_lost, should_retry
+from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV
 from trainers.workloads import resolve
 
@@ -342,7 +342,7 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
     while True:
         if not spec.train_loop:
             forget_ray_snapshot(home)
-        alive_at_start = alive_node_ids()
+        nodes_at_start = node_liveness()
         try:
             trainer = build_trainer(spec, home, runtime, data_uri, stop_at_step, run_id, previous, callbacks,
                                     submitted_at)
@@ -356,7 +356,7 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
             error = exc
         kind = classify_failure(error)
         if kind == "peer_lost":  # every failed rank lost a peer: did Ray see a node of the cluster die?
-            kind = settle_peer_lost(lambda: bool(alive_at_start - alive_node_ids()), PEER_LOSS_WAIT_S)
+            kind = settle_peer_lost(lambda: bool(nodes_died(nodes_at_start, node_liveness())), PEER_LOSS_WAIT_S)
         user_failures += kind == "user_error"
         infra_failures += kind in ("node_lost", "preemption")
         first_line = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
@@ -371,8 +371,13 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
         previous = kind
 
 
+def node_liveness() -> dict[str, bool]:
+    """Every node Ray knows, alive or dead (its list keeps dead nodes for a while)."""
+    return {n["NodeID"]: bool(n["Alive"]) for n in ray.nodes()}
+
+
 def alive_node_ids() -> frozenset[str]:
-    return frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    return frozenset(n for n, alive in node_liveness().items() if alive)
 
 
 class NodeWatch:

@@ -78,6 +78,14 @@ def settle_peer_lost(node_died: Callable[[], bool], wait_s: float, poll_s: float
         time.sleep(poll_s)
 
 
+def nodes_died(before: dict[str, bool], now: dict[str, bool]) -> set[str]:
+    """Nodes dead now that were not already dead ``before`` (``node id -> alive`` maps from Ray's node
+    list): one alive then and dead or gone from the list now, and one that joined after ``before``
+    (an elastic group grows onto it inside the same fit) and is listed dead now."""
+    return ({n for n, alive in before.items() if alive and not now.get(n, False)}
+            | {n for n, alive in now.items() if not alive and n not in before})
+
+
 def should_retry(kind: FailureKind, user_failures: int, max_failures: int, infra_failures: int,
                  max_infra_failures: int) -> bool:
     """Retry or give up; counts include the failure being decided. -1 means no limit."""

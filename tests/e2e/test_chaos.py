@@ -64,19 +64,28 @@ def test_three_random_node_kills_complete_exactly(multi_node, tmp_path):
     job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))), daemon=True)
     job.start()
     live = list(nodes)
+
+    def running(predicate):
+        """``predicate`` while the job runs: a job that gave up fails the wait at once, with its summary."""
+        def check():
+            assert job.is_alive(), f"the job ended before the kills were done: {result}"
+            return predicate()
+        return check
+
     try:
         for kill in range(3):
-            wait_for(lambda: len(interruptions(tmp_path)) >= kill and checkpoint_dirs(tmp_path), 240,
+            wait_for(running(lambda: len(interruptions(tmp_path)) >= kill and checkpoint_dirs(tmp_path)), 240,
                      f"training to run again before kill {kill + 1}")
             if kill == 0:  # the first kill lands the moment a new checkpoint folder appears
                 seen = checkpoint_dirs(tmp_path)
-                wait_for(lambda: checkpoint_dirs(tmp_path) - seen, 120, "a new checkpoint being written", poll_s=0.02)
+                wait_for(running(lambda: checkpoint_dirs(tmp_path) - seen), 120, "a new checkpoint being written",
+                         poll_s=0.02)
             else:
                 time.sleep(rng.uniform(1.0, 6.0))
             victim = live.pop(rng.randrange(len(live)))
             cluster.remove_node(victim, allow_graceful=False)
             live.append(cluster.add_node(num_cpus=1, resources={"spot": 1}, node_ip_address="127.0.0.1"))
-            wait_for(lambda: len(interruptions(tmp_path)) > kill, 240, f"recovery from kill {kill + 1}")
+            wait_for(running(lambda: len(interruptions(tmp_path)) > kill), 240, f"recovery from kill {kill + 1}")
     finally:
         gate.unlink()
     job.join(timeout=900)

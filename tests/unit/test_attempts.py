@@ -40,7 +40,7 @@ def attempts(tmp_path, monkeypatch, max_failures: int, failures: int):
         return FakeTrainer(fits, failures)
 
     monkeypatch.setattr(launch, "build_trainer", build_trainer)
-    monkeypatch.setattr(launch, "alive_node_ids", lambda: frozenset({"node"}))
+    monkeypatch.setattr(launch, "node_liveness", lambda: {"node": True})
     runtime = launch.Runtime(use_gpu=False, backend="gloo", mixed_precision="no")
     result = launch.run_attempts(spec, job_home(spec), runtime, "", None, "run", said.append)
     return result, fits, previous, said
@@ -64,3 +64,35 @@ def test_a_user_error_within_the_budget_is_retried_and_the_job_goes_on(tmp_path,
     assert error is None and metrics == {"step": 20} and len(fits) == 2
     assert previous == [None, "user_error"]
     assert any("attempt failed: user error (rank 0 failed: user bug at forward call 1)" in line for line in said), said
+
+
+class GrowThenLoseTrainer:
+    """An elastic fit as Ray Train v2 runs it: a node joins mid-fit and the group grows onto it (a
+    restart inside the same fit), then that node dies; the surviving rank fails in gloo first."""
+
+    def __init__(self, nodes: dict, log: list):
+        self.nodes, self.log = nodes, log
+
+    def fit(self):
+        self.log.append("fit")
+        if len(self.log) > 1:
+            return type("Result", (), {"metrics": {"step": 20}, "checkpoint": None})()
+        self.nodes["joined"] = True   # the group grows onto it ...
+        self.nodes["joined"] = False  # ... and it is lost (Ray now reports it dead)
+        error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                             "[127.0.0.1]:41234")
+        raise WorkerGroupError(f"rank 0 failed: {error}", {0: error})
+
+
+def test_a_node_that_joined_during_the_fit_and_died_is_a_node_loss_not_a_user_error(tmp_path, monkeypatch):
+    nodes = {"head": True, "first": True}
+    fits, said = [], []
+    monkeypatch.setattr(launch, "build_trainer", lambda *a, **k: GrowThenLoseTrainer(nodes, fits))
+    monkeypatch.setattr(launch, "node_liveness", lambda: dict(nodes))  # Ray lists a dead node as not alive
+    monkeypatch.setattr(launch, "settle_cluster_view", lambda error, say: None)  # it asks Ray
+    monkeypatch.setattr(launch, "PEER_LOSS_WAIT_S", 0.2)
+    spec = flaky_spec(tmp_path, max_failures=0)
+    runtime = launch.Runtime(use_gpu=False, backend="gloo", mixed_precision="no")
+    metrics, _, error = launch.run_attempts(spec, job_home(spec), runtime, "", None, "run", said.append)
+    assert error is None and metrics == {"step": 20} and len(fits) == 2, said
+    assert any("attempt failed: node lost" in line for line in said), said

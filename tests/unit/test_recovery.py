@@ -9,7 +9,7 @@ from ray.train.v2._internal.exceptions import UserExceptionWithTraceback, Worker
 from ray.train.v2.api.preemption import PreemptionInfo
 from ray.train.v2.api.exceptions import ControllerError, PreemptionError, WorkerGroupError
 
-from trainers.recovery import Heartbeat, classify_failure, interruption_record, settle_peer_lost, should_retry
+from trainers.recovery import Heartbeat, classify_failure, interruption_record, nodes_died, settle_peer_lost, should_retry
 
 
 def group(*errors):
@@ -186,3 +186,16 @@ def test_a_beat_that_fails_at_the_first_step_does_not_end_the_attempt(monkeypatc
 
     monkeypatch.setattr(recovery, "kv_put", refused)
     Pulse(Heartbeats("root/job", "run-1"), StopFlag("root/job"), 2, interval_s=3600).took_over(1)
+
+
+@pytest.mark.parametrize("before, now, died", [
+    ({"a": True, "b": True}, {"a": True, "b": True}, set()),
+    ({"a": True, "b": True}, {"a": True, "b": False}, {"b"}),                 # listed dead
+    ({"a": True, "b": True}, {"a": True}, {"b"}),                             # gone from the list
+    ({"a": True}, {"a": True, "c": False}, {"c"}),                            # joined mid-fit, then died
+    ({"a": True}, {"a": True, "c": True}, set()),                             # joined, still alive
+    ({"a": True, "old": False}, {"a": True, "old": False}, set()),             # dead before the fit began
+    ({"a": True, "old": False}, {"a": True}, set()),                          # ... and since forgotten
+])
+def test_nodes_died_since_a_fit_began(before, now, died):
+    assert nodes_died(before, now) == died
