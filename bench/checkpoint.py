@@ -1,17 +1,19 @@
 """What checkpointing costs training, with uploads to S3 (a moto server on loopback), in one run.
 
-The same 2-worker job (digits MLP, wide enough that a checkpoint is a few MB) runs on one
-local Ray with no checkpoint but the last ("none"), with one every N steps uploaded
-asynchronously ("async"), and once with synchronous uploads ("sync"). Figures:
+The same 2-worker job (digits MLP, wide enough that a checkpoint is a few MB) runs as
+`etrain run` with no checkpoint but the last ("none"), with one every N steps uploaded
+asynchronously ("async"), and with synchronous uploads ("sync"). Runs of one job on this shared
+2-core machine differed by up to ~20% from one to the next (the host's speed swings within
+minutes), more than the effect measured; so each comparison runs its two jobs at once, taking
+turns of a few seconds (bench/turns.py: while one runs, every process of the other, its own
+local Ray included, is stopped), and counts only the windows wholly inside a turn. Figures:
 
-- async checkpoint throughput ratio: samples/s with async checkpoints over none. Target >= 0.97.
-  A run's samples/s is its steady rate (bench/plain_ddp.py's ``steady_rate``: its logged windows,
-  the first tenth left out, then the slowest and fastest tenth), and a window is one checkpoint
-  interval long, so every window of an async run holds one checkpoint's copy, write, upload and
-  report (one still in flight when the next is due is skipped: the checkpoints taken are
-  printed). Runs of one job on this shared 2-core machine differ by up to ~20% from one to the
-  next, so none and async run as pairs, back to back (their order alternating), and the figure
-  is the median of the pairs' ratios; the ratio of the runs' mean samples/s is printed beside it.
+- async checkpoint throughput ratio: samples/s with async checkpoints over none, in turns.
+  Target >= 0.97. A run's samples/s is its steady rate over its counted windows
+  (bench/plain_ddp.py's ``steady_rate``: the first tenth left out, then the slowest and fastest
+  tenth), and a window is one checkpoint interval long, so every window of an async run holds
+  one checkpoint's copy, write, upload and report (one still in flight when the next is due is
+  skipped: the checkpoints taken are printed). The figure is the median of the pairs' ratios.
 - report() blocking seconds, async and sync (median over the job's checkpoints): what the
   training thread paid at a checkpoint (the state copy is reported apart, as save seconds).
 - async checkpoints taken: an interval checkpoint is left to the next interval step while the
@@ -27,12 +29,14 @@ request handling took 6-7 CPU-seconds a run from the two cores the workers train
 kept pace shows in the checkpoints taken, printed beside those taken to local disk: a checkpoint
 still uploading when the next is due is skipped.
 
-    python bench/checkpoint.py [--steps 3000] [--interval 100] [--pairs 3]
+    python bench/checkpoint.py [--steps 3000] [--interval 100] [--pairs 3] [--slice-s 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -46,6 +50,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO)]
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep every address on loopback
+
+from bench.plain_ddp import steady_rate  # noqa: E402  (the repository is on the path from here)
+from bench.turns import Command, run_in_turns, windows_in_slices  # noqa: E402
 
 
 def free_port() -> int:
@@ -70,95 +77,122 @@ def start_s3(port: int) -> subprocess.Popen:
     raise SystemExit("the moto S3 server did not start within 60 s")
 
 
+BATCH = 128  # global samples a step
+
+
+def run_command(spec: dict, spec_dir: Path, env: dict) -> Command:
+    """`etrain run` of ``spec`` (written to a file) on a local Ray of its own: (command, environment)."""
+    path = spec_dir / f"{spec['name']}.json"
+    path.write_text(json.dumps(spec))  # JSON is YAML
+    run_env = {**env, "PYTHONPATH": str(REPO)}
+    run_env.pop("RAY_ADDRESS", None)
+    return [sys.executable, "-m", "trainers.train", str(path), "--json"], run_env
+
+
+def job_spec(name: str, kind: str, root: str, steps: int, interval: int, hidden: int) -> dict:
+    """The bench's job: ``kind`` none (a checkpoint only at the end), async or sync."""
+    every, upload = (steps, "async") if kind == "none" else (interval, kind)
+    return {"name": name, "training": {"batch_size": BATCH, "max_steps": steps, "learning_rate": 0.001,
+                                       "log_interval_steps": interval},
+            "distributed": {"num_workers": 2}, "model": {"name": "mlp", "hidden_size": hidden},
+            "data": {"source": "builtin:digits"},
+            "checkpoint": {"interval": every, "upload": upload, "min_interval_s": 0, "num_to_keep": 2,
+                           "storage_root": root}}
+
+
+@dataclasses.dataclass
+class Run:
+    steady: float  # samples/s over the windows inside its turns
+    report_s: float | None  # report() blocking, median over its checkpoints
+    checkpoints: int
+    windows: int  # counted: wholly inside its turns
+
+
+def pair_in_turns(kinds: tuple[str, str], root: str, tag: str, args, env: dict, work: Path) -> dict[str, Run]:
+    """Two jobs (``kinds``, the first starts first) at once in turns; each one's figures."""
+    from cluster.storage import open_root
+    from trainers.history import read_history
+
+    names = {kind: f"ckpt-{kind}-{tag}" for kind in kinds}
+    commands = {kind: run_command(job_spec(names[kind], kind, root, args.steps, args.interval, args.hidden), work, env)
+                for kind in kinds}
+    slices, _ = run_in_turns(commands, args.slice_s, work, REPO)
+    runs = {}
+    for kind in kinds:
+        rows = read_history(open_root(root), names[kind])
+        windows = windows_in_slices([r["time"] for r in rows], slices[kind], args.settle_s)
+        blocked = [r["checkpoint_report_s"] for r in rows if r.get("checkpoint_report_s") is not None]
+        runs[kind] = Run(steady_rate([args.interval * BATCH / d for d in windows]),
+                         statistics.median(blocked) if blocked else None, len(blocked), len(windows))
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--interval", type=int, default=100)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--pairs", type=int, default=3, help="back-to-back (none, async) runs")
+    parser.add_argument("--pairs", type=int, default=3, help="(none, async) pairs, each run in turns")
+    parser.add_argument("--slice-s", type=float, default=4.0, help="how long each job runs in its turn")
+    parser.add_argument("--settle-s", type=float, default=0.3, help="windows starting this soon after a turn "
+                        "begins are not counted")
     args = parser.parse_args()
 
     port = free_port()
     server = start_s3(port)
-    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"})
+    s3_env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+              "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
+    os.environ.update(s3_env)
     import boto3
 
     boto3.client("s3").create_bucket(Bucket="bench")
-    import ray
+    work = Path(tempfile.mkdtemp(prefix="etrain-bench-ckpt-"))
+    local_root = str(work / "storage")
+    pairs: dict[str, list[dict[str, Run]]] = {"s3": [], "local": []}
+    sync: dict[str, Run] = {}
 
-    from cluster.ray_adapter import init_local_ray
-    from cluster.storage import open_root
-    from trainers.config import validate
-    from trainers.history import read_history
-    from trainers.launch import run_job
-
-    from bench.plain_ddp import steady_rate
-
-    init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", configure_logging=True,
-                   logging_level="WARNING", log_to_driver=False)
-    # per run: (steady samples/s, report() blocking median, checkpoints taken, mean samples/s)
-    runs: dict[str, list[tuple[float, float | None, int, float]]] = {"none": [], "async": [], "sync": [],
-                                                                   "none local": [], "async local": []}
-    local_root = tempfile.mkdtemp(prefix="etrain-bench-ckpt-")
-
-    def run(name: str, index: int, root: str = "s3://bench/runs") -> None:
-        kind = name.split()[0]
-        interval, upload = (args.steps, "async") if kind == "none" else (args.interval, kind)
-        spec = validate({
-            "name": f"ckpt-{kind}-{index}", "training": {"batch_size": 128, "max_steps": args.steps,
-                                                         "learning_rate": 0.001,
-                                                         "log_interval_steps": args.interval},
-            "distributed": {"num_workers": 2}, "model": {"hidden_size": args.hidden},
-            "checkpoint": {"interval": interval, "upload": upload, "min_interval_s": 0, "num_to_keep": 2,
-                           "storage_root": root}})
-        code, summary = run_job(spec, say=lambda m: print(m, file=sys.stderr))
-        if code != 0:
-            raise SystemExit(f"{name} run failed: {summary['error']}")
-        rows = read_history(open_root(root), spec.name)
-        blocked = [r["checkpoint_report_s"] for r in rows if r.get("checkpoint_report_s") is not None]
-        steady = steady_rate([r["samples_per_s"] for r in rows])
-        runs[name].append((steady, statistics.median(blocked) if blocked else None, len(blocked),
-                           summary["samples_per_s"]))
-        print(f"[bench] {name} {index}: {steady:.0f} samples/s (mean {summary['samples_per_s']:.0f}), "
-              f"report() median {runs[name][-1][1]}s", file=sys.stderr)
+    def say(label: str, runs: dict[str, Run]) -> None:
+        (a, b) = runs
+        print(f"[bench] {label}: {a} {runs[a].steady:.0f} samples/s ({runs[a].windows} windows), {b} "
+              f"{runs[b].steady:.0f} samples/s ({runs[b].windows} windows), ratio {runs[b].steady / runs[a].steady:.3f}; "
+              f"checkpoints {runs[b].checkpoints}, report() median {runs[b].report_s:.4f} s", file=sys.stderr)
 
     try:
         for i in range(args.pairs):
-            for name in (("none", "async") if i % 2 == 0 else ("async", "none")):
-                run(name, i)
-        run("sync", 0)
+            kinds = ("none", "async") if i % 2 == 0 else ("async", "none")
+            pairs["s3"].append(pair_in_turns(kinds, "s3://bench/runs", f"s3-{i}", args, dict(os.environ), work))
+            say(f"S3 pair {i}", {k: pairs["s3"][-1][k] for k in ("none", "async")})
+        sync = pair_in_turns(("sync", "none"), "s3://bench/runs", "sync", args, dict(os.environ), work)
+        say("S3 sync pair", {k: sync[k] for k in ("none", "sync")})
         for i in range(args.pairs):  # the same on local disk: what our side and Ray's cost without S3
-            for name in (("none local", "async local") if i % 2 == 0 else ("async local", "none local")):
-                run(name, i, local_root)
+            kinds = ("none", "async") if i % 2 == 0 else ("async", "none")
+            pairs["local"].append(pair_in_turns(kinds, local_root, f"local-{i}", args, dict(os.environ), work))
+            say(f"local pair {i}", {k: pairs["local"][-1][k] for k in ("none", "async")})
     finally:
-        shutil.rmtree(local_root, ignore_errors=True)
-        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
         server.terminate()
         server.wait(30)
-    ratios = [a[0] / n[0] for a, n in zip(runs["async"], runs["none"])]
-    mean_ratios = [a[3] / n[3] for a, n in zip(runs["async"], runs["none"])]
-    local_ratios = [a[0] / n[0] for a, n in zip(runs["async local"], runs["none local"])]
 
-    def median(name: str, field: int) -> float:
-        return statistics.median(r[field] for r in runs[name])
+    def ratios(where: str) -> list[float]:
+        return [p["async"].steady / p["none"].steady for p in pairs[where]]
+
+    def median(where: str, kind: str, field: str) -> float:
+        return statistics.median(getattr(p[kind], field) for p in pairs[where])
 
     size = args.hidden * (64 + 10) * 4 * 3 / 1e6
     print(f"checkpoint size: {size:.1f} MB (model + AdamW state)")
-    print(f"samples/s without checkpoints: {median('none', 0):.0f}")
-    print(f"samples/s with async checkpoints every {args.interval} steps: {median('async', 0):.0f}")
-    print(f"samples/s with sync checkpoints every {args.interval} steps: {median('sync', 0):.0f}")
-    print(f"async checkpoints taken: {median('async', 2):.0f}")
-    print(f"async checkpoints taken to local disk: {median('async local', 2):.0f}")
-    print(f"report() blocking with async upload: {median('async', 1):.3f} s")
-    print(f"report() blocking with sync upload: {median('sync', 1):.3f} s")
-    print(f"sync checkpoint throughput ratio: {median('sync', 0) / median('none', 0):.3f}")
-    print(f"async checkpoint throughput ratio: {statistics.median(ratios):.3f} "
-          f"(median of {len(ratios)} back-to-back pairs: {', '.join(f'{r:.3f}' for r in ratios)})")
-    print(f"async checkpoint mean throughput ratio: {statistics.median(mean_ratios):.3f} "
-          f"(pairs: {', '.join(f'{r:.3f}' for r in mean_ratios)})")
-    print(f"async checkpoint throughput ratio to local disk: {statistics.median(local_ratios):.3f} "
-          f"(pairs: {', '.join(f'{r:.3f}' for r in local_ratios)})")
+    print(f"samples/s without checkpoints: {median('s3', 'none', 'steady'):.0f}")
+    print(f"samples/s with async checkpoints every {args.interval} steps: {median('s3', 'async', 'steady'):.0f}")
+    print(f"samples/s with sync checkpoints every {args.interval} steps: {sync['sync'].steady:.0f}")
+    print(f"async checkpoints taken: {median('s3', 'async', 'checkpoints'):.0f}")
+    print(f"async checkpoints taken to local disk: {median('local', 'async', 'checkpoints'):.0f}")
+    print(f"report() blocking with async upload: {median('s3', 'async', 'report_s'):.3f} s")
+    print(f"report() blocking with sync upload: {sync['sync'].report_s:.3f} s")
+    print(f"sync checkpoint throughput ratio: {sync['sync'].steady / sync['none'].steady:.3f}")
+    print(f"async checkpoint throughput ratio: {statistics.median(ratios('s3')):.3f} "
+          f"(median of {args.pairs} pairs in turns: {', '.join(f'{r:.3f}' for r in ratios('s3'))})")
+    print(f"async checkpoint throughput ratio to local disk: {statistics.median(ratios('local')):.3f} "
+          f"(pairs: {', '.join(f'{r:.3f}' for r in ratios('local'))})")
 
 
 if __name__ == "__main__":

@@ -5,14 +5,10 @@ sides: bench/plain_ddp.py's ``digits_pairs``), global batch, optimizer, 2 gloo w
 1 thread each, trained (a) by torchrun running bench/plain_ddp.py and (b) by `etrain run`
 on a local Ray.
 
-The two run at once and take turns: each runs for a slice of a few seconds while every process
-of the other (torchrun's ranks; the etrain driver, its Ray and Ray's workers) is stopped
-(SIGSTOP), and the turns alternate until one ends. This machine's speed swings by up to 2x
-within minutes (other tenants of its host): run one after the other, a pair's ratio ranged
-0.57-1.83 in one hour, so a ratio of runs told more about the host than about the loop. In
-turns of seconds both meet the same host. Only a 100-step window that lies wholly inside one
-turn counts, from a moment after the turn began (a resumed process refills its caches, and
-its ranks meet again). Figures:
+The two run at once and take turns (bench/turns.py): each runs for a slice of a few seconds
+while every process of the other (torchrun's ranks; the etrain driver, its Ray and Ray's
+workers) is stopped, and only a 100-step window wholly inside one turn counts. Run one after
+the other, a pair's ratio here measured the host (0.57-1.83 in one hour). Figures:
 
 - throughput ratio: (b)'s steady samples/s over (a)'s, each from its counted windows
   (bench/plain_ddp.py's ``steady_rate``: the first tenth left out, then the slowest and fastest
@@ -32,11 +28,8 @@ import argparse
 import json
 import os
 import statistics
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,6 +37,7 @@ sys.path[:0] = [str(REPO)]
 PY = sys.executable
 
 from bench.plain_ddp import WINDOW_STEPS, steady_rate  # noqa: E402  (the repository is on the path from here)
+from bench.turns import run_in_turns, windows_in_slices  # noqa: E402
 from cluster.storage import open_root  # noqa: E402
 from trainers.history import read_history  # noqa: E402
 
@@ -82,69 +76,6 @@ def ours_command(root: str, steps: int, batch: int, hidden: int, name: str,
              "--set", "distributed.num_workers=2", *in_memory], env)
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (torchrun's ranks; the etrain driver's Ray: its GCS, raylet,
-    dashboard, and the workers and actors the raylet started)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo.extend(children.get(p, []))
-    return found
-
-
-def signal_tree(pid: int, sig: int) -> None:
-    for p in descendants(pid):
-        try:
-            os.kill(p, sig)
-        except ProcessLookupError:
-            pass
-
-
-def alternate(procs: dict[str, subprocess.Popen], slice_s: float) -> dict[str, list[tuple[float, float]]]:
-    """Run the process trees one at a time, ``slice_s`` each in turn, the others stopped (SIGSTOP),
-    until one of them ends; then all run on. Returns each one's running slices (wall clock)."""
-    slices: dict[str, list[tuple[float, float]]] = {name: [] for name in procs}
-    try:
-        while all(p.poll() is None for p in procs.values()):
-            for name, proc in procs.items():
-                for other, p in procs.items():
-                    if other != name:
-                        signal_tree(p.pid, signal.SIGSTOP)
-                signal_tree(proc.pid, signal.SIGCONT)
-                began = time.time()
-                try:
-                    proc.wait(slice_s)
-                except subprocess.TimeoutExpired:
-                    pass
-                slices[name].append((began, time.time()))
-                if proc.poll() is not None:
-                    break
-    finally:
-        for p in procs.values():
-            signal_tree(p.pid, signal.SIGCONT)
-    return slices
-
-
-def windows_in_slices(marks: list[float], slices: list[tuple[float, float]], settle_s: float) -> list[float]:
-    """The durations of the windows between consecutive ``marks`` that lie wholly inside one running
-    slice, starting at least ``settle_s`` after it began (a resumed process first refills its caches
-    and catches up with its peers): a window cut by a stop is not one the process ran through."""
-    kept = []
-    for a, b in zip(marks, marks[1:]):
-        if any(start + settle_s <= a and b <= end for start, end in slices):
-            kept.append(b - a)
-    return kept
-
-
 def sliced_pair(plain_cmd: tuple[list[str], dict], ours_cmd: tuple[list[str], dict], ours_root: str, ours_name: str,
                 batch: int, slice_s: float, settle_s: float) -> tuple[float, float, float]:
     """Plain DDP and one etrain run at once, taking turns on the machine in slices of ``slice_s``:
@@ -152,33 +83,7 @@ def sliced_pair(plain_cmd: tuple[list[str], dict], ours_cmd: tuple[list[str], di
     a pair's ratio ranged 0.57-1.83). Returns (plain steady samples/s, ours, running-time ratio of the
     whole commands, start-up included). Only windows inside a slice count (:func:`windows_in_slices`)."""
     logs = tempfile.TemporaryDirectory(prefix="etrain-bench-sliced-")
-    procs: dict[str, subprocess.Popen] = {}
-    finished: dict[str, float] = {}
-
-    def failed(side: str) -> SystemExit:
-        output = (Path(logs.name) / f"{side}.out").read_text()
-        return SystemExit(f"{side} run failed (exit {procs[side].returncode}):\n{output[-3000:]}")
-
-    try:
-        for side, (cmd, env) in (("plain", plain_cmd), ("ours", ours_cmd)):
-            with open(Path(logs.name) / f"{side}.out", "w") as out:
-                procs[side] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-            signal_tree(procs[side].pid, signal.SIGSTOP)  # the first slice starts them in turn
-        slices = alternate(procs, slice_s)
-        for side, proc in procs.items():
-            if proc.poll() not in (None, 0):
-                raise failed(side)  # the other is stopped in `finally`, not run on for nothing
-        for side, proc in procs.items():  # whichever is left runs alone to its end
-            began = time.time()
-            proc.wait(900)
-            finished[side] = time.time() - began
-            if proc.returncode != 0:
-                raise failed(side)
-    finally:  # on a failure or Ctrl-C nothing is left running, or stopped
-        for proc in procs.values():
-            if proc.poll() is None:
-                signal_tree(proc.pid, signal.SIGKILL)
-                proc.wait()
+    slices, alone = run_in_turns({"plain": plain_cmd, "ours": ours_cmd}, slice_s, Path(logs.name), REPO)
     plain_out = (Path(logs.name) / "plain.out").read_text()
     plain_marks = json.loads([x for x in plain_out.splitlines() if x.startswith("{")][-1])["window_marks"]
     ours_marks = [row["time"] for row in read_history(open_root(ours_root), ours_name)]
@@ -186,7 +91,7 @@ def sliced_pair(plain_cmd: tuple[list[str], dict], ours_cmd: tuple[list[str], di
     for side, marks in (("plain", plain_marks), ("ours", ours_marks)):
         durations = windows_in_slices(marks, slices[side], settle_s)
         rates[side] = steady_rate([WINDOW_STEPS * batch / d for d in durations])
-    running = {side: sum(b - a for a, b in slices[side]) + finished[side] for side in procs}
+    running = {side: sum(b - a for a, b in slices[side]) + alone[side] for side in slices}
     return rates["plain"], rates["ours"], running["ours"] / running["plain"]
 
 

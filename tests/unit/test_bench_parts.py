@@ -86,7 +86,7 @@ def test_steady_rate_of_no_windows_says_to_run_longer():
     ([], [(0.0, 3.0)], []),
 ])
 def test_only_windows_wholly_inside_a_running_slice_count(marks, slices, expected):
-    assert load("ddp_overhead").windows_in_slices(marks, slices, settle_s=0.2) == pytest.approx(expected)
+    assert load("turns").windows_in_slices(marks, slices, settle_s=0.2) == pytest.approx(expected)
 
 
 def test_alternate_runs_one_process_tree_at_a_time(tmp_path):
@@ -94,7 +94,7 @@ def test_alternate_runs_one_process_tree_at_a_time(tmp_path):
     has its turn, the other notes nothing, its child included."""
     import subprocess
 
-    ddp_overhead = load("ddp_overhead")
+    turns = load("turns")
     child = ("import sys, time\nend = time.time() + {s}\nwith open(sys.argv[1], 'w') as f:\n"
              "    while time.time() < end:\n        f.write(f'{{time.time()}}\\n'); f.flush(); time.sleep(0.005)\n")
     parent = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]], check=True)\n"
@@ -102,8 +102,8 @@ def test_alternate_runs_one_process_tree_at_a_time(tmp_path):
                                      str(tmp_path / name)]) for name in ("a", "b")}
     try:
         for proc in procs.values():
-            ddp_overhead.signal_tree(proc.pid, __import__("signal").SIGSTOP)
-        slices = ddp_overhead.alternate(procs, slice_s=0.5)
+            turns.signal_tree(proc.pid, __import__("signal").SIGSTOP)
+        slices = turns.alternate(procs, slice_s=0.5)
     finally:
         for proc in procs.values():
             proc.kill()
@@ -122,16 +122,16 @@ def test_a_side_that_fails_stops_the_pair_at_once_and_leaves_nothing_running(tmp
     import os
     import time
 
-    ddp_overhead = load("ddp_overhead")
+    turns = load("turns")
     pids = tmp_path / "pids"
     sleeper = ("import os, subprocess, sys, time\nchild = subprocess.Popen([sys.executable, '-c', 'import time; "
                "time.sleep(60)'])\nopen(sys.argv[1], 'w').write(f'{os.getpid()} {child.pid}')\ntime.sleep(60)\n")
     failing = ("import sys, time\ntime.sleep(1)\nprint('no such data file', file=sys.stderr)\nsys.exit(3)\n")
     started = time.monotonic()
-    with pytest.raises(SystemExit, match=r"ours run failed \(exit 3\):\n.*no such data file"):
-        ddp_overhead.sliced_pair(([sys.executable, "-c", sleeper, str(pids)], dict(os.environ)),
-                                 ([sys.executable, "-c", failing], dict(os.environ)),
-                                 str(tmp_path), "x", 128, slice_s=0.5, settle_s=0.1)
+    with pytest.raises(SystemExit, match=r"failing run failed \(exit 3\):\n.*no such data file"):
+        turns.run_in_turns({"sleeper": ([sys.executable, "-c", sleeper, str(pids)], dict(os.environ)),
+                            "failing": ([sys.executable, "-c", failing], dict(os.environ))},
+                           slice_s=0.5, logs=tmp_path, cwd=tmp_path)
     assert time.monotonic() - started < 30
     from processes import start_time
 
