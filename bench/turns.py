@@ -48,6 +48,26 @@ def signal_tree(pid: int, sig: int) -> None:
             pass
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
+def kill_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGKILL ``proc`` and every process below it, and return once they have all died: a kill is
+    delivered when the process next runs, which on a busy machine is a moment later."""
+    tree = descendants(proc.pid)
+    signal_tree(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + timeout_s
+    while any(running(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def alternate(procs: dict[str, subprocess.Popen], slice_s: float) -> dict[str, list[tuple[float, float]]]:
     """Run the process trees one at a time, ``slice_s`` each in turn, the others stopped (SIGSTOP),
     until one of them ends; then all run on. Returns each one's running slices (wall clock)."""
@@ -116,6 +136,5 @@ def run_in_turns(commands: dict[str, Command], slice_s: float, logs: Path, cwd: 
     finally:
         for proc in procs.values():
             if proc.poll() is None:
-                signal_tree(proc.pid, signal.SIGKILL)
-                proc.wait()
+                kill_tree(proc)
     return slices, alone
