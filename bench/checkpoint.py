@@ -80,11 +80,11 @@ def start_s3(port: int) -> subprocess.Popen:
 BATCH = 128  # global samples a step
 
 
-def run_command(spec: dict, spec_dir: Path, env: dict) -> Command:
+def run_command(spec: dict, spec_dir: Path) -> Command:
     """`etrain run` of ``spec`` (written to a file) on a local Ray of its own: (command, environment)."""
     path = spec_dir / f"{spec['name']}.json"
     path.write_text(json.dumps(spec))  # JSON is YAML
-    run_env = {**env, "PYTHONPATH": str(REPO)}
+    run_env = {**os.environ, "PYTHONPATH": str(REPO)}
     run_env.pop("RAY_ADDRESS", None)
     return [sys.executable, "-m", "trainers.train", str(path), "--json"], run_env
 
@@ -108,13 +108,13 @@ class Run:
     windows: int  # counted: wholly inside its turns
 
 
-def pair_in_turns(kinds: tuple[str, str], root: str, tag: str, args, env: dict, work: Path) -> dict[str, Run]:
+def pair_in_turns(kinds: tuple[str, str], root: str, tag: str, args, work: Path) -> dict[str, Run]:
     """Two jobs (``kinds``, the first starts first) at once in turns; each one's figures."""
     from cluster.storage import open_root
     from trainers.history import read_history
 
     names = {kind: f"ckpt-{kind}-{tag}" for kind in kinds}
-    commands = {kind: run_command(job_spec(names[kind], kind, root, args.steps, args.interval, args.hidden), work, env)
+    commands = {kind: run_command(job_spec(names[kind], kind, root, args.steps, args.interval, args.hidden), work)
                 for kind in kinds}
     slices, _ = run_in_turns(commands, args.slice_s, work, REPO)
     runs = {}
@@ -140,34 +140,30 @@ def main() -> None:
 
     port = free_port()
     server = start_s3(port)
-    s3_env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-              "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
-    os.environ.update(s3_env)
+    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"})
     import boto3
 
     boto3.client("s3").create_bucket(Bucket="bench")
     work = Path(tempfile.mkdtemp(prefix="etrain-bench-ckpt-"))
-    local_root = str(work / "storage")
-    pairs: dict[str, list[dict[str, Run]]] = {"s3": [], "local": []}
-    sync: dict[str, Run] = {}
+    roots = {"s3": "s3://bench/runs", "local": str(work / "storage")}  # local disk: our side and Ray's without S3
+    pairs: dict[str, list[dict[str, Run]]] = {where: [] for where in roots}
 
-    def say(label: str, runs: dict[str, Run]) -> None:
-        (a, b) = runs
-        print(f"[bench] {label}: {a} {runs[a].steady:.0f} samples/s ({runs[a].windows} windows), {b} "
-              f"{runs[b].steady:.0f} samples/s ({runs[b].windows} windows), ratio {runs[b].steady / runs[a].steady:.3f}; "
-              f"checkpoints {runs[b].checkpoints}, report() median {runs[b].report_s:.4f} s", file=sys.stderr)
+    def say(label: str, runs: dict[str, Run], other: str) -> None:
+        base, it = runs["none"], runs[other]
+        print(f"[bench] {label}: none {base.steady:.0f} samples/s ({base.windows} windows), {other} {it.steady:.0f} "
+              f"samples/s ({it.windows} windows), ratio {it.steady / base.steady:.3f}; checkpoints {it.checkpoints}, "
+              f"report() median {it.report_s:.4f} s", file=sys.stderr)
 
     try:
-        for i in range(args.pairs):
-            kinds = ("none", "async") if i % 2 == 0 else ("async", "none")
-            pairs["s3"].append(pair_in_turns(kinds, "s3://bench/runs", f"s3-{i}", args, dict(os.environ), work))
-            say(f"S3 pair {i}", {k: pairs["s3"][-1][k] for k in ("none", "async")})
-        sync = pair_in_turns(("sync", "none"), "s3://bench/runs", "sync", args, dict(os.environ), work)
-        say("S3 sync pair", {k: sync[k] for k in ("none", "sync")})
-        for i in range(args.pairs):  # the same on local disk: what our side and Ray's cost without S3
-            kinds = ("none", "async") if i % 2 == 0 else ("async", "none")
-            pairs["local"].append(pair_in_turns(kinds, local_root, f"local-{i}", args, dict(os.environ), work))
-            say(f"local pair {i}", {k: pairs["local"][-1][k] for k in ("none", "async")})
+        for where, root in roots.items():
+            for i in range(args.pairs):
+                kinds = ("none", "async") if i % 2 == 0 else ("async", "none")
+                pairs[where].append(pair_in_turns(kinds, root, f"{where}-{i}", args, work))
+                say(f"{where} pair {i}", pairs[where][-1], "async")
+            if where == "s3":
+                sync = pair_in_turns(("sync", "none"), root, "sync", args, work)
+                say("s3 sync pair", sync, "sync")
     finally:
         shutil.rmtree(work, ignore_errors=True)
         server.terminate()

@@ -37,7 +37,7 @@ sys.path[:0] = [str(REPO)]
 PY = sys.executable
 
 from bench.plain_ddp import WINDOW_STEPS, steady_rate  # noqa: E402  (the repository is on the path from here)
-from bench.turns import run_in_turns, windows_in_slices  # noqa: E402
+from bench.turns import Command, run_in_turns, windows_in_slices  # noqa: E402
 from cluster.storage import open_root  # noqa: E402
 from trainers.history import read_history  # noqa: E402
 
@@ -52,7 +52,7 @@ def prepare_data(root: str) -> str:
 STARTUP_STEPS = 4000  # ~15 s of torchrun's training: about what etrain's start (a local Ray) takes
 
 
-def plain_command(data: str, steps: int, batch: int, hidden: int) -> tuple[list[str], dict]:
+def plain_command(data: str, steps: int, batch: int, hidden: int) -> Command:
     """torchrun's run of bench/plain_ddp.py: (command, environment)."""
     return ([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(REPO / "bench" / "plain_ddp.py"),
              "--data", data, "--steps", str(steps), "--batch-size", str(batch), "--hidden", str(hidden)],
@@ -60,7 +60,7 @@ def plain_command(data: str, steps: int, batch: int, hidden: int) -> tuple[list[
 
 
 def ours_command(root: str, steps: int, batch: int, hidden: int, name: str,
-                 data: str | None = None) -> tuple[list[str], dict]:
+                 data: str | None = None) -> Command:
     """One `etrain run` of the quickstart at the same settings: (command, environment). ``data``: the
     Parquet file to hold in memory (else the built-in set through our loader)."""
     env = {**os.environ, "ETRAIN_STORAGE_ROOT": root, "PYTHONPATH": str(REPO)}
@@ -76,7 +76,7 @@ def ours_command(root: str, steps: int, batch: int, hidden: int, name: str,
              "--set", "distributed.num_workers=2", *in_memory], env)
 
 
-def sliced_pair(plain_cmd: tuple[list[str], dict], ours_cmd: tuple[list[str], dict], ours_root: str, ours_name: str,
+def sliced_pair(plain_cmd: Command, ours_cmd: Command, ours_root: str, ours_name: str,
                 batch: int, slice_s: float, settle_s: float) -> tuple[float, float, float]:
     """Plain DDP and one etrain run at once, taking turns on the machine in slices of ``slice_s``:
     both meet the same host, whose speed here swings by up to 2x within minutes (one after the other,

@@ -21,17 +21,22 @@ from pathlib import Path
 Command = tuple[list[str], dict]  # (argv, environment)
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (state, parent pid, ...); None once the process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def descendants(pid: int) -> list[int]:
     """``pid`` and every process below it (torchrun's ranks; the etrain driver's Ray: its GCS, raylet,
     dashboard, and the workers and actors the raylet started)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry))
+        if entry.isdigit() and (fields := stat_fields(int(entry))) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -50,11 +55,8 @@ def signal_tree(pid: int, sig: int) -> None:
 
 def running(pid: int) -> bool:
     """Whether ``pid`` is a live process (not gone, not a zombie waiting to be reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def kill_tree(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:

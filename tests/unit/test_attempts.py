@@ -77,8 +77,7 @@ class GrowThenLoseTrainer:
         self.log.append("fit")
         if len(self.log) > 1:
             return type("Result", (), {"metrics": {"step": 20}, "checkpoint": None})()
-        self.nodes["joined"] = True   # the group grows onto it ...
-        self.nodes["joined"] = False  # ... and it is lost (Ray now reports it dead)
+        self.nodes["joined"] = False  # joined after the fit began, the group grew onto it, and it died
         error = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
                              "[127.0.0.1]:41234")
         raise WorkerGroupError(f"rank 0 failed: {error}", {0: error})
