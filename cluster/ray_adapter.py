@@ -20,6 +20,8 @@
   :func:`torch_trainer` leaves that callback out when there are no datasets.
 - The GCS port of a local start (``RAY_GCS_SERVER_PORT``, read by ``ray._private.node``): a
   local Ray tells its own processes where it is (:func:`init_local_ray`).
+- The session folder of the Ray this process started (``ray._private.worker._global_node``):
+  :func:`shutdown_local_ray` stops the workers of that Ray that hang on after it (cluster/leftovers.py).
 - Ray's loopback switch (``ray_constants.ENABLE_RAY_CLUSTER``, read from
   ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ray is imported): off, Ray keeps 127.0.0.1
   instead of swapping in the machine's address (:func:`keep_on_loopback`).
@@ -233,6 +235,26 @@ def init_local_ray(host: str = "127.0.0.1", **init_kwargs) -> str:
         ray.shutdown()
         raise RuntimeError(problem)
     return address
+
+
+def session_folder() -> Path | None:
+    """The session folder of the Ray this process started or joined; None when not connected."""
+    from ray._private import worker
+
+    node = worker._global_node
+    return Path(node.get_session_dir_path()) if node is not None else None
+
+
+def shutdown_local_ray(grace_s: float = 10.0) -> list[int]:
+    """``ray.shutdown()`` a Ray this process started, then stop by pid its workers that outlive it
+    (a teardown that hangs: cluster/leftovers.py). Returns their pids (none, normally)."""
+    import ray
+
+    from cluster.leftovers import stop_leftovers
+
+    folder = session_folder()
+    ray.shutdown()
+    return stop_leftovers(folder, grace_s) if folder is not None else []
 
 
 def local_start_problem(started: str, address: str) -> str | None:

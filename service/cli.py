@@ -29,7 +29,6 @@ CLIENT_EXAMPLES = """examples:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import ray
     from ray import serve
 
     from cluster.storage import default_root
@@ -38,7 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.isolation import IsolationError, check_code_tenants
     from service.jobs import jobs_headers
     from service.store import Store
-    from trainers.launch import ensure_ray
+    from trainers.launch import ensure_ray, release_ray
 
     storage_root = args.storage_root or default_root()
     try:
@@ -51,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if started_ray and args.detach:
         print("error: --detach needs a running cluster (ray start / ray up): this Ray would stop with this "
               "process", file=sys.stderr)
-        ray.shutdown()
+        release_ray(started_ray)
         return 2
     printed = None
     if not entries:
@@ -64,8 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            jobs_headers(settings), own_url=_dashboard_url())
     except (IsolationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        if started_ray:
-            ray.shutdown()
+        release_ray(started_ray)
         return 2
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(JobService.bind(settings.model_dump(), [e.model_dump(exclude={"token"}) for e in entries]),
@@ -84,8 +82,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     while not stop["now"]:
         time.sleep(0.5)
     serve.shutdown()
-    if started_ray:
-        ray.shutdown()
+    release_ray(started_ray)
     return 0
 
 

@@ -180,9 +180,10 @@ def pytest_sessionfinish(session, exitstatus):
     stop_multi_node()
     ray = _sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
+        from cluster.ray_adapter import address_record, shutdown_local_ray
+
         address = ray.get_runtime_context().gcs_address
-        ray.shutdown()
-        from cluster.ray_adapter import address_record
+        shutdown_local_ray()  # with any worker whose teardown hung (it would outlive the suite)
 
         record = address_record()
         if record.exists() and record.read_text().strip() == address:
@@ -193,18 +194,23 @@ _MULTI_NODE: list = []  # the multi-node tests' Cluster, kept from one such test
 
 
 def stop_multi_node() -> None:
-    """Shut the multi-node cluster down. Ray's ``Cluster.shutdown`` deletes the machine's address
+    """Shut the multi-node cluster down, and any of its workers that hang on after it
+    (cluster/leftovers.py). Ray's ``Cluster.shutdown`` deletes the machine's address
     record whichever Ray it names: one naming another Ray (a user's `ray start`) is put back."""
     import ray
 
-    from cluster.ray_adapter import address_record
+    from cluster.leftovers import stop_leftovers
+    from cluster.ray_adapter import address_record, session_folder
 
     record = address_record()
     while _MULTI_NODE:
         before = record.read_text() if record.exists() else None
         cluster = _MULTI_NODE.pop()
+        folder = session_folder()
         ray.shutdown()
         cluster.shutdown()
+        if folder is not None:
+            stop_leftovers(folder)  # a worker whose teardown hung would outlive its cluster
         if before is not None and before.strip() != cluster.address:
             record.parent.mkdir(parents=True, exist_ok=True)
             record.write_text(before)

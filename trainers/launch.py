@@ -184,6 +184,18 @@ def ensure_ray(num_workers: int) -> bool:
     return True
 
 
+def release_ray(started_ray: bool) -> None:
+    """Shut down a Ray this process started (:func:`ensure_ray`), with any of its workers that
+    hang on after it (Ray's teardown can deadlock: ray_adapter.shutdown_local_ray); a cluster
+    this process joined stays up."""
+    if not started_ray:
+        return
+    killed = ray_adapter.shutdown_local_ray()
+    if killed:
+        log.warning("stopped %d Ray worker process(es) that hung on after the local Ray stopped (pids %s)",
+                    len(killed), ", ".join(map(str, killed)))
+
+
 # What each training worker process starts with:
 # - RAY_TRAIN_ENABLE_PRINT_PATCH=0: Ray would also log every print() of a worker, doubling each
 #   progress line.
@@ -282,8 +294,7 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
                                 interruptions=[r for r in read_interruptions(home) if r.get("run_id") == run_id])
     finally:
         restore_sigterm()
-        if started_ray:
-            ray.shutdown()
+        release_ray(started_ray)
     if summary["status"] == "succeeded":
         return EXIT_OK, summary
     return (EXIT_STOPPED if summary["status"] == "stopped" else EXIT_FAILED), summary

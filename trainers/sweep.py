@@ -361,7 +361,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
     import ray
     from ray import tune
 
-    from trainers.launch import EXIT_FAILED, EXIT_OK, ensure_ray, preflight
+    from trainers.launch import EXIT_FAILED, EXIT_OK, ensure_ray, preflight, release_ray
     from trainers.workloads import resolve
 
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # a killed driver loses at most 1 s of trial states
@@ -420,8 +420,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
             report["best_spec"] = root.uri_of(sweep_dir, "best.yaml")
         root.write_json(report, sweep_dir, "results.json")
     finally:
-        if started_ray:
-            ray.shutdown()
+        release_ray(started_ray)
     errors = [r for r in rows if r["status"] == "error"]
     return (EXIT_FAILED if errors or not best else EXIT_OK), report
 

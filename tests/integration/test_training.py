@@ -16,6 +16,7 @@ import boto3
 import pytest
 import torch
 
+from cluster.leftovers import writing_into
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.config import validate
@@ -75,7 +76,7 @@ def test_guide_template_trains_from_the_command_line(ray_local, tmp_path):
         stale_left = stale.exists()
         confused = [str(f) for f in ray_temp.glob("ray/session_*/logs/*") if f.is_file()
                     and "Found multiple active Ray instances" in f.read_text(errors="replace")]
-        left_running = raylets_under(ray_temp)
+        left_running = raylets_under(ray_temp) + [f"pid {pid}" for pid in writing_into(ray_temp)]
     finally:
         shutil.rmtree(ray_temp, ignore_errors=True)
     out = proc.stdout + proc.stderr
@@ -96,7 +97,7 @@ def test_guide_template_trains_from_the_command_line(ray_local, tmp_path):
     assert (volume / "checkpoint_000000006" / "model_6.pt").exists()
     assert (volume / "checkpoint_000000006" / "manifest.json").exists()
     assert not (root / "deployment-guide").exists(), "nothing of the job under the storage root"
-    assert left_running == [], "the command must stop the Ray it started"
+    assert left_running == [], "the command must stop the Ray it started, and every worker of it"
 
 
 @pytest.fixture(scope="module")

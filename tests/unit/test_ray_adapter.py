@@ -185,3 +185,12 @@ def test_rays_temp_folder_follows_ray_tmpdir_and_holds_the_prometheus_discovery_
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / PROMETHEUS_DISCOVERY_FILE).write_text("[]")
     assert prometheus_discovery_file() == str(tmp_path / "ray" / PROMETHEUS_DISCOVERY_FILE)
+
+
+def test_the_session_folder_is_still_where_the_adapter_reads_it():
+    from ray._private import worker
+    from ray._private.node import Node
+
+    assert hasattr(worker, "_global_node"), "ray._private.worker._global_node is gone: session_folder needs another way"
+    assert callable(Node.get_session_dir_path)
+    assert ray_adapter.session_folder() is None  # not connected: nothing to clean up after
