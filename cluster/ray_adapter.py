@@ -237,22 +237,26 @@ def init_local_ray(host: str = "127.0.0.1", **init_kwargs) -> str:
     return address
 
 
-def session_folder() -> Path | None:
-    """The session folder of the Ray this process started or joined; None when not connected."""
+def session_folder(started_here: bool = False) -> Path | None:
+    """The session folder of the Ray this process is connected to; None when not connected, or,
+    with ``started_here``, when this process joined that Ray rather than started it."""
     from ray._private import worker
 
     node = worker._global_node
-    return Path(node.get_session_dir_path()) if node is not None else None
+    if node is None or (started_here and not node.head):  # only a local start makes this process a head node
+        return None
+    return Path(node.get_session_dir_path())
 
 
 def shutdown_local_ray(grace_s: float = 10.0) -> list[int]:
     """``ray.shutdown()`` a Ray this process started, then stop by pid its workers that outlive it
-    (a teardown that hangs: cluster/leftovers.py). Returns their pids (none, normally)."""
+    (a teardown that hangs: cluster/leftovers.py). Returns their pids (none, normally). For a Ray
+    this process only joined it is a plain ``ray.shutdown()``: that Ray's workers are running."""
     import ray
 
     from cluster.leftovers import stop_leftovers
 
-    folder = session_folder()
+    folder = session_folder(started_here=True)
     ray.shutdown()
     return stop_leftovers(folder, grace_s) if folder is not None else []
 

@@ -200,17 +200,16 @@ def stop_multi_node() -> None:
     import ray
 
     from cluster.leftovers import stop_leftovers
-    from cluster.ray_adapter import address_record, session_folder
+    from cluster.ray_adapter import address_record
 
     record = address_record()
     while _MULTI_NODE:
         before = record.read_text() if record.exists() else None
         cluster = _MULTI_NODE.pop()
-        folder = session_folder()
+        folder = Path(cluster.head_node.get_session_dir_path())
         ray.shutdown()
         cluster.shutdown()
-        if folder is not None:
-            stop_leftovers(folder)  # a worker whose teardown hung would outlive its cluster
+        stop_leftovers(folder)  # a worker whose teardown hung would outlive its cluster
         if before is not None and before.strip() != cluster.address:
             record.parent.mkdir(parents=True, exist_ok=True)
             record.write_text(before)

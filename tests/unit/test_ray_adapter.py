@@ -193,4 +193,6 @@ def test_the_session_folder_is_still_where_the_adapter_reads_it():
 
     assert hasattr(worker, "_global_node"), "ray._private.worker._global_node is gone: session_folder needs another way"
     assert callable(Node.get_session_dir_path)
+    # a local start makes the driver's node the head: shutdown_local_ray tells started from joined by it
+    assert "self.head = head" in inspect.getsource(Node.__init__), "Node.head is gone: session_folder needs another way"
     assert ray_adapter.session_folder() is None  # not connected: nothing to clean up after
