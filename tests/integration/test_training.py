@@ -76,7 +76,8 @@ def test_guide_template_trains_from_the_command_line(ray_local, tmp_path):
         stale_left = stale.exists()
         confused = [str(f) for f in ray_temp.glob("ray/session_*/logs/*") if f.is_file()
                     and "Found multiple active Ray instances" in f.read_text(errors="replace")]
-        left_running = raylets_under(ray_temp) + [f"pid {pid}" for pid in writing_into(ray_temp)]
+        sessions = [s for s in ray_temp.glob("ray/session_*") if not s.is_symlink() and (s / "logs").is_dir()]
+        left_running = raylets_under(ray_temp) + [f"pid {pid}" for s in sessions for pid in writing_into(s)]
     finally:
         shutil.rmtree(ray_temp, ignore_errors=True)
     out = proc.stdout + proc.stderr
@@ -97,6 +98,7 @@ def test_guide_template_trains_from_the_command_line(ray_local, tmp_path):
     assert (volume / "checkpoint_000000006" / "model_6.pt").exists()
     assert (volume / "checkpoint_000000006" / "manifest.json").exists()
     assert not (root / "deployment-guide").exists(), "nothing of the job under the storage root"
+    assert len(sessions) == 1, sessions
     assert left_running == [], "the command must stop the Ray it started, and every worker of it"
 
 
