@@ -15,6 +15,8 @@
   (Ray Train's placement-group cleaner) then query the dead address until they time out.
 - The driver's printer of worker output and its autoscaler-event filter: `etrain run` routes
   forwarded worker lines through its own console instead of Ray's printer.
+- Ray Train's SIGINT handler (``DataParallelTrainer._register_sigint_handler``): :func:`torch_trainer`
+  keeps `etrain run`'s graceful Ctrl-C in front of it (:func:`first_then`).
 - Ray Train's default callbacks: a trainer given no Ray Dataset still starts an actor to
   hand out dataset shards (one more process, ~1.5 CPU-s, at every start and restart);
   :func:`torch_trainer` leaves that callback out when there are no datasets.
@@ -37,6 +39,7 @@ from __future__ import annotations
 import inspect
 import ipaddress
 import os
+import signal
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -294,4 +297,28 @@ def torch_trainer(*args, **kwargs):
                 return callbacks
             return [c for c in callbacks if not isinstance(c, datasets_callback)]
 
+        def _register_sigint_handler(self, controller):
+            ours = signal.getsignal(signal.SIGINT)
+            super()._register_sigint_handler(controller)
+            if getattr(ours, "graceful_stop", False):
+                signal.signal(signal.SIGINT, first_then(ours, signal.getsignal(signal.SIGINT)))
+
     return LeanTorchTrainer(*args, **kwargs)
+
+
+def first_then(first: Callable, later: Callable) -> Callable:
+    """A signal handler that runs ``first`` for the first signal and ``later`` for every one after.
+
+    Ray Train's ``fit()`` replaces the process's SIGINT handler with its own
+    (``DataParallelTrainer._register_sigint_handler``: abort the controller at once, exit). A
+    handler of ours marked ``graceful_stop`` (trainers.launch: a stop with a checkpoint) is kept in
+    front of it: the first Ctrl-C stops gracefully, a second aborts as Ray would.
+    """
+    calls = [0]
+
+    def handler(signum, frame):
+        calls[0] += 1
+        (first if calls[0] == 1 else later)(signum, frame)
+
+    handler.graceful_stop = getattr(first, "graceful_stop", False)  # a retry's fit chains it again
+    return handler

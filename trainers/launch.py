@@ -276,7 +276,7 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
     run_id = uuid.uuid4().hex[:12]
     stop_flag = StopFlag(home.key)
     stop_flag.clear()  # a stop asked of an earlier run must not stop this one
-    restore_sigterm = stop_on_sigterm(stop_flag, say)
+    restore_signals = stop_on_signals(stop_flag, say)
     try:
         capacity = gpu_capacity(ray.cluster_resources().get("GPU", 0))
         runtime = resolve_runtime(spec, capacity.now, capacity.launchable)
@@ -293,7 +293,7 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
         summary = write_summary(spec, home, metrics, checkpoint_uri, error, started,
                                 interruptions=[r for r in read_interruptions(home) if r.get("run_id") == run_id])
     finally:
-        restore_sigterm()
+        restore_signals()
         release_ray(started_ray)
     if summary["status"] == "succeeded":
         return EXIT_OK, summary
@@ -327,20 +327,29 @@ def first_submitted_at(home: JobHome, now: float) -> float:
     return float(home.root.read_json(home.job, JOB_FILE)["submitted_at"])
 
 
-def stop_on_sigterm(flag: StopFlag, say):
-    """SIGTERM (`ray job stop`, a process manager) becomes a graceful stop: checkpoint, then exit 3.
+def stop_on_signals(flag: StopFlag, say):
+    """SIGTERM (`ray job stop`, a process manager) and the first Ctrl-C become a graceful stop:
+    checkpoint at the next log step, then exit 3. During the fit a second Ctrl-C is Ray Train's
+    own: it aborts the run at once (cluster.ray_adapter.torch_trainer chains the two).
 
     Only the main thread may set handlers (a sweep's trials run elsewhere); returns the undo.
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
-    def handler(signum, frame):
+    def on_term(signum, frame):
         say("[etrain] SIGTERM: stopping at the next log step with a checkpoint (run again to resume)")
         flag.request()
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+    def on_interrupt(signum, frame):
+        say("[etrain] Ctrl-C: stopping at the next log step with a checkpoint (run again to resume); "
+            "Ctrl-C again to abort at once")
+        flag.request()
+
+    on_interrupt.graceful_stop = True  # what ray_adapter.torch_trainer keeps in front of Ray Train's handler
+    previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGTERM, on_term),
+                                                                        (signal.SIGINT, on_interrupt))}
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
 
 
 def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, stop_at_step: int | None,

@@ -119,3 +119,33 @@ def test_verbose_shows_rays_own_lines(ray_local, tmp_path):
     assert proc.returncode == 3, out[-3000:]  # stopped early on purpose, resumable
     assert re.search(r"^\(RayTrainWorker pid=\d+\) Reporting training result 1: TrainingReport\(", out, re.M), out[-3000:]
     assert "[etrain] step 10/30" in out and Console.HIDDEN_HINT not in out
+
+
+def test_ctrl_c_stops_with_a_checkpoint_and_says_how_to_resume(ray_local, tmp_path):
+    """The first Ctrl-C is a graceful stop, as SIGTERM is (Ray Train's own handler, which aborts the
+    run at once and exits 1 without a word, only comes second)."""
+    import json
+    import signal
+
+    cmd = command(tmp_path, "interrupted") + ["--set", "training.max_steps=1000000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=environment(ray_local), start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:  # training is under way once a progress line is out
+            lines.append(line)
+            if line.startswith("[etrain] step "):
+                break
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = "".join(lines) + rest
+    assert proc.returncode == 3, out[-3000:]  # stopped, resumable
+    assert "[etrain] Ctrl-C: stopping at the next log step with a checkpoint" in out, out[-3000:]
+    assert "Traceback" not in out
+    summary = json.loads((tmp_path / "interrupted" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and 0 < summary["final_step"] < 1000000, summary
+    assert summary["checkpoint_uri"].endswith(f"checkpoint_{summary['final_step']:09d}"), summary

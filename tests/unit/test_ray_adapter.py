@@ -10,6 +10,7 @@ import ast
 import inspect
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -196,3 +197,68 @@ def test_the_session_folder_is_still_where_the_adapter_reads_it():
     # a local start makes the driver's node the head: shutdown_local_ray tells started from joined by it
     assert "self.head = head" in inspect.getsource(Node.__init__), "Node.head is gone: session_folder needs another way"
     assert ray_adapter.session_folder() is None  # not connected: nothing to clean up after
+
+
+def test_rays_sigint_handler_is_still_registered_where_torch_trainer_chains_ours():
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    assert list(inspect.signature(DataParallelTrainer._register_sigint_handler).parameters) == ["self", "controller"]
+    assert "self._register_sigint_handler(controller)" in inspect.getsource(DataParallelTrainer), \
+        "fit() no longer registers Ray Train's SIGINT handler there: ray_adapter.torch_trainer's Ctrl-C chain is dead"
+
+
+def test_a_graceful_ctrl_c_stays_in_front_of_ray_trains_abort_across_retries():
+    import signal
+
+    from ray.train import ScalingConfig
+
+    seen = []
+
+    def ours(signum, frame):
+        seen.append("graceful stop")
+
+    ours.graceful_stop = True
+    trainer = ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
+    aborts = []
+
+    class Controller:
+        def __init__(self, name):
+            self.abort = SimpleNamespace(remote=lambda: aborts.append(name))
+
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, ours)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("ray.get", lambda ref: ref)
+            for attempt in ("first attempt", "retry"):  # each fit registers Ray's handler anew
+                trainer._register_sigint_handler(Controller(attempt))
+            handler = signal.getsignal(signal.SIGINT)
+            handler(signal.SIGINT, None)
+            assert seen == ["graceful stop"] and aborts == [], "the first Ctrl-C stops gracefully"
+            handler(signal.SIGINT, None)
+            assert aborts == ["retry"], "the second is Ray Train's: it aborts the running attempt's controller"
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_without_a_graceful_handler_ray_trains_own_stays():
+    import signal
+
+    from ray.train import ScalingConfig
+
+    trainer = ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        trainer._register_sigint_handler(SimpleNamespace())
+        assert getattr(signal.getsignal(signal.SIGINT), "__qualname__", "").endswith("sigint_handler")
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("count, expected", [(1, ["first"]), (2, ["first", "later"]), (3, ["first", "later", "later"])])
+def test_first_then_runs_the_first_handler_once(count, expected):
+    calls = []
+    handler = ray_adapter.first_then(lambda s, f: calls.append("first"), lambda s, f: calls.append("later"))
+    for _ in range(count):
+        handler(2, None)
+    assert calls == expected
