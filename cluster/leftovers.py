@@ -23,10 +23,15 @@ from pathlib import Path
 WORKER_LOG = re.compile(r"worker-[^/]+\.(out|err)(?: \(deleted\))?")  # readlink marks a removed file
 
 
+def _logs(folder: Path) -> str:
+    """The session's log folder as the descriptors name it (``session_latest`` is a link)."""
+    return f"{os.path.realpath(folder)}{os.sep}logs{os.sep}"
+
+
 def writing_into(folder: Path) -> list[int]:
     """This user's processes whose stdout or stderr is a worker log of the Ray session ``folder``;
     never this process. A zombie holds nothing (its files are closed)."""
-    logs = f"{os.path.realpath(folder)}{os.sep}logs{os.sep}"
+    logs = _logs(folder)
     me, uid = os.getpid(), os.getuid()
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
@@ -57,7 +62,7 @@ def _kill_if_still_writing(pid: int, logs: str) -> bool:
     given to a new process is not that process)."""
     try:
         pidfd = os.pidfd_open(pid)
-    except (ProcessLookupError, OSError):
+    except OSError:  # gone since the scan
         return False
     try:
         if not _writes_worker_log(Path(f"/proc/{pid}"), logs):
@@ -75,11 +80,10 @@ def stop_leftovers(folder: Path, grace_s: float = 10.0, poll_s: float = 0.2) -> 
     themselves (a worker exits a moment after its raylet), then SIGKILL those still there: a
     hung teardown does not run signal handlers, so a gentler signal would not be heard.
     Returns the pids killed (none, normally)."""
-    logs = f"{os.path.realpath(folder)}{os.sep}logs{os.sep}"
     deadline = time.monotonic() + grace_s
     while (left := writing_into(folder)) and time.monotonic() < deadline:
         time.sleep(poll_s)
-    killed = [pid for pid in left if _kill_if_still_writing(pid, logs)]
+    killed = [pid for pid in left if _kill_if_still_writing(pid, _logs(folder))]
     deadline = time.monotonic() + grace_s  # a SIGKILL lands when the process next runs
     while killed and writing_into(folder) and time.monotonic() < deadline:
         time.sleep(poll_s)

@@ -349,7 +349,12 @@ def stop_on_signals(flag: StopFlag, say):
     on_interrupt.graceful_stop = True  # what ray_adapter.torch_trainer keeps in front of Ray Train's handler
     previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGTERM, on_term),
                                                                         (signal.SIGINT, on_interrupt))}
-    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, stop_at_step: int | None,
