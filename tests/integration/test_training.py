@@ -413,3 +413,47 @@ def test_out_of_memory_at_micro_batch_one_names_model_size_and_memory(ray_local,
     assert code == EXIT_FAILED and summary["status"] == "failed", summary
     assert "out of memory at micro-batch 1" in summary["error"] and "parameters" in summary["error"], summary
     assert "GiB of memory" in summary["error"], summary
+
+
+def test_a_controller_killed_while_its_driver_lives_leaves_no_placement_group(ray_local, tmp_path):
+    """Ray Train's placement-group cleaner actor is replaced (cluster/ray_adapter.PlacementGroupRecorder):
+    a controller that dies while its driver lives (killed, out of memory) must still not leave its
+    workers' CPUs reserved, or the driver's next attempt waits for them until its start timeout."""
+    import signal
+    import threading
+
+    from ray.train import RunConfig, ScalingConfig
+    from ray.util.placement_group import placement_group_table
+    from ray.util.state import list_actors
+
+    from cluster import ray_adapter
+    from waiting import wait_for
+
+    def live_groups() -> set[str]:
+        return {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+
+    def sleeping_loop(config: dict) -> None:  # nested: pickled by value (Ray's workers cannot import this module)
+        import pathlib
+        import time
+
+        pathlib.Path(config["marker"]).touch()
+        time.sleep(600)
+
+    before, marker, seen = live_groups(), tmp_path / "started", {}
+    trainer = ray_adapter.torch_trainer(
+        sleeping_loop, train_loop_config={"marker": str(marker)}, scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=str(tmp_path / "ray"), name="killed-controller"))
+
+    def kill_the_controller() -> None:
+        wait_for(marker.exists, 120, "the workers to start")
+        seen["during"] = live_groups() - before
+        (controller,) = list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")])
+        os.kill(controller.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_the_controller)
+    killer.start()
+    with pytest.raises(Exception, match="(?i)died|dead|actor"):
+        trainer.fit()
+    killer.join()
+    assert len(seen["during"]) == 1, "the run held one placement group for its workers"
+    wait_for(lambda: not (live_groups() - before), 10, f"the dead controller's placement group {seen['during']} to go")

@@ -124,8 +124,10 @@ def test_a_trainer_without_datasets_leaves_out_only_the_dataset_shard_callback()
 
     stock = names(TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1)))
     assert "DatasetsCallback" in stock, "Ray no longer adds it without datasets: drop torch_trainer from the adapter"
+    assert "PlacementGroupCleanerCallback" in stock, "Ray renamed or dropped its cleaner: see PlacementGroupRecorder"
     lean = names(ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1)))
-    assert lean == [n for n in stock if n != "DatasetsCallback"]
+    replaced = ("DatasetsCallback", "PlacementGroupCleanerCallback")
+    assert lean == [n for n in stock if n not in replaced] + ["PlacementGroupRecorder"]
     with_data = ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
                                           datasets={"train": lambda: None})  # a dataset factory; no Ray started
     assert names(with_data).count("DatasetsCallback") == 1
