@@ -282,16 +282,12 @@ def local_start_problem(started: str, address: str) -> str | None:
             "cluster/ray_adapter.py needs another way to give a local Ray's processes its address")
 
 
-def _datasets_callback_class():
+def _left_out_callback_classes() -> tuple[type, type]:
+    """Ray Train's dataset-shard callback and its placement-group cleaner (see :func:`torch_trainer`)."""
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-
-    return DatasetsCallback
-
-
-def _pg_cleaner_callback_class():
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
-    return PlacementGroupCleanerCallback
+    return DatasetsCallback, PlacementGroupCleanerCallback
 
 
 PG_KEY_PREFIX = b"etrain/placement-group/"
@@ -325,45 +321,43 @@ def _recorder_class():
     return PlacementGroupRecorder
 
 
-def remove_recorded_placement_group(key: bytes) -> bool:
+def remove_recorded_placement_group(key: bytes) -> None:
     """Remove the placement group recorded under ``key`` if it is still there (its controller
-    died without removing it); forget the record. True when one was removed."""
+    died without removing it); forget the record."""
     import ray
     from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 
     recorded = kv_get(key)
     if recorded is None:
-        return False
+        return
     kv_del(key)
     pg = PlacementGroup(PlacementGroupID(recorded))
     if placement_group_table(pg).get("state") in (None, "REMOVED"):
-        return False
+        return
     try:
         remove_placement_group(pg)
     except ray.exceptions.RaySystemError:  # removed meanwhile
-        return False
-    return True
+        pass
 
 
 def torch_trainer(*args, **kwargs):
     """A ``ray.train.torch.TorchTrainer`` that starts no dataset-shard actor when it has no
-    datasets (ours read their data in the loop): each start and restart of a job spawns one
-    process fewer. Ray Train builds its callbacks in ``_create_default_callbacks``."""
+    datasets (ours read their data in the loop) and no placement-group cleaner actor (the driver
+    cleans up instead: :class:`PlacementGroupRecorder`): each start and restart of a job spawns
+    two processes fewer. Ray Train builds its callbacks in ``_create_default_callbacks``."""
     from ray.train.torch import TorchTrainer
 
-    datasets_callback, pg_cleaner_callback = _datasets_callback_class(), _pg_cleaner_callback_class()
+    datasets_callback, pg_cleaner_callback = _left_out_callback_classes()
     recorder = _recorder_class()
 
     class LeanTorchTrainer(TorchTrainer):
-        pg_key = PG_KEY_PREFIX + uuid.uuid4().hex.encode()
+        pg_key = PG_KEY_PREFIX + uuid.uuid4().hex.encode()  # this class is made per trainer
 
         def _create_default_callbacks(self):
-            callbacks = [c for c in super()._create_default_callbacks() if not isinstance(c, pg_cleaner_callback)]
-            callbacks.append(recorder(self.pg_key))
-            if self.datasets:
-                return callbacks
-            return [c for c in callbacks if not isinstance(c, datasets_callback)]
+            left_out = (pg_cleaner_callback,) if self.datasets else (pg_cleaner_callback, datasets_callback)
+            kept = [c for c in super()._create_default_callbacks() if not isinstance(c, left_out)]
+            return [*kept, recorder(self.pg_key)]
 
         def fit(self):
             try:
