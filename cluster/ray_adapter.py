@@ -12,11 +12,14 @@
   the GCS (``use_gpu: auto`` reads it through cluster.capacity).
 - Where `ray start` records the address of the cluster it started (``ray_current_cluster``):
   a Ray that was killed leaves it behind, and Ray's own "auto" lookups inside a new cluster
-  (Ray Train's placement-group cleaner) then query the dead address until they time out.
+  (a Ray Jobs driver's ``ray.init()``, `ray status`) then query the dead address until they time out.
 - The driver's printer of worker output and its autoscaler-event filter: `etrain run` routes
   forwarded worker lines through its own console instead of Ray's printer.
 - Ray Train's SIGINT handler (``DataParallelTrainer._register_sigint_handler``): :func:`torch_trainer`
   keeps `etrain run`'s graceful Ctrl-C in front of it (:func:`first_then`).
+- Ray's torch backend steps (``ray.train.torch.config``: ``_setup_torch_process_group``,
+  ``_set_torch_distributed_env_vars``, ``_shutdown_torch``): :func:`torch_config` runs them on
+  the workers, so that Ray Train's controller never imports torch.
 - Ray Train's default callbacks: a trainer given no Ray Dataset still starts an actor to
   hand out dataset shards (one more process, ~1.5 CPU-s, at every start and restart);
   :func:`torch_trainer` leaves that callback out when there are no datasets. It also replaces
@@ -39,6 +42,7 @@ tests/unit/test_ray_adapter.py fails loudly when Ray moves or changes any of the
 
 from __future__ import annotations
 
+import functools
 import inspect
 import ipaddress
 import logging
@@ -209,12 +213,12 @@ def keep_on_loopback() -> dict[str, str]:
 def init_local_ray(host: str = "127.0.0.1", **init_kwargs) -> str:
     """Start a local Ray (``ray.init(address="local")``) whose every process knows its address.
 
-    Ray's lookups inside a cluster that are given no address (Ray Train's placement-group
-    cleaner asking the state API about its controller) read RAY_ADDRESS, else the record `ray
-    start` leaves, else any GCS process on this machine. A local start sets none of them: with a
-    second Ray on the machine (a user's own, another job's) the cleaner's thread dies on "Found
-    multiple active Ray instances", and a record naming the other Ray has it ask that one about
-    our controller, find nothing, and remove our live run's placement group. Ray takes no GCS
+    Ray's lookups inside a cluster that are given no address (a Ray Jobs driver's ``ray.init()``,
+    the state API's clients) read RAY_ADDRESS, else the record `ray start` leaves, else any GCS
+    process on this machine. A local start sets none of them: with a second Ray on the machine (a
+    user's own, another job's) such a lookup fails on "Found multiple active Ray instances", and a
+    record naming the other Ray has it act on that one (Ray Train's placement-group cleaner, now
+    replaced, once removed a live run's placement group so). Ray takes no GCS
     port for a local start but reads ``RAY_GCS_SERVER_PORT`` when it starts a head, and its
     processes inherit this process's environment as they start: with both set around ray.init,
     each of them is pinned to this cluster, and on a loopback ``host`` kept there
@@ -341,13 +345,119 @@ def remove_recorded_placement_group(key: bytes) -> None:
         pass
 
 
+def _set_master_address(addr: str, port: int) -> None:
+    """On each worker: where rank 0 listens (torch.distributed's ``env://``)."""
+    os.environ["MASTER_ADDR"] = addr
+    os.environ["MASTER_PORT"] = str(port)
+
+
+def _set_torch_env_vars() -> None:
+    """On each worker: RANK, LOCAL_RANK, WORLD_SIZE... as Ray's TorchConfig sets them."""
+    from ray.train.torch.config import _set_torch_distributed_env_vars
+
+    _set_torch_distributed_env_vars()
+
+
+def _setup_process_group(**kwargs) -> None:
+    """On each worker: Ray's own process-group set-up (torch is imported there, where it is used)."""
+    from ray.train.torch.config import _setup_torch_process_group
+
+    _setup_torch_process_group(**kwargs)
+
+
+def _shutdown_process_group(destroy_process_group: bool) -> None:
+    from ray.train.torch.config import _shutdown_torch
+
+    _shutdown_torch(destroy_process_group=destroy_process_group)
+
+
+@functools.cache
+def _lean_torch_config_class() -> type:
+    """Built on first use, as Ray Train is imported only when a trainer is (pickled by value)."""
+    import ray
+    from ray.train.backend import Backend, BackendConfig
+    from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+
+    class LeanTorchBackend(Backend):
+        """Ray's ``_TorchBackend`` for CPUs and GPUs, its steps run through the functions above."""
+
+        share_cuda_visible_devices = True
+
+        def on_start(self, worker_group, backend_config) -> None:
+            from ray.train._internal.utils import get_address_and_port
+
+            gpus = worker_group.get_resources_per_worker().get("GPU", 0)
+            backend = backend_config.backend or ("nccl" if gpus > 0 else "gloo")
+            addr, port = worker_group.execute_single(0, get_address_and_port)
+            worker_group.execute(_set_master_address, addr=addr, port=port)
+            worker_group.execute(_set_torch_env_vars)
+            ray.get([worker_group.execute_single_async(rank, _setup_process_group, backend=backend, world_rank=rank,
+                                                       world_size=len(worker_group), init_method="env://",
+                                                       timeout_s=backend_config.timeout_s)
+                     for rank in range(len(worker_group))])
+
+        def on_shutdown(self, worker_group, backend_config) -> None:
+            futures = worker_group.execute_async(_shutdown_process_group, destroy_process_group=len(worker_group) > 1)
+            timeout_s = int(os.environ.get(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
+            try:
+                ray.get(futures, timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                log.warning("torch process group shutdown timed out after %d s", timeout_s)
+
+    class LeanTorchConfig(BackendConfig):
+        """What ``TorchConfig(backend, timeout_s)`` configures (``init_method`` env), see :func:`torch_config`."""
+
+        def __init__(self, backend: str | None = None, timeout_s: int = 1800):
+            self.backend, self.init_method, self.timeout_s = backend, "env", timeout_s
+
+        @property
+        def backend_cls(self):
+            return LeanTorchBackend
+
+        @property
+        def train_func_context(self):  # read by the driver, which has torch: it wraps the workers' loop
+            from ray.train.torch.config import TorchConfigContextManager
+
+            return TorchConfigContextManager
+
+        @property
+        def framework(self):
+            from ray.train.v2._internal.util import TrainingFramework
+
+            return TrainingFramework.TORCH
+
+        def to_dict(self) -> dict:
+            return {"backend": self.backend, "init_method": self.init_method, "timeout_s": self.timeout_s}
+
+        def __repr__(self) -> str:
+            return f"LeanTorchConfig({self.to_dict()})"
+
+    return LeanTorchConfig
+
+
+def torch_config(backend: str | None = None, timeout_s: int = 1800):
+    """Ray's ``TorchConfig(backend=..., timeout_s=...)`` without torch in the controller.
+
+    Ray Train's controller unpickles the trainer's backend config; ``TorchConfig`` lives in
+    ``ray.train.torch.config``, which imports torch: ~1.6 CPU-s (most of the controller's imports,
+    measured with PYTHONPROFILEIMPORTTIME) on the path to every start and restart, in a process
+    that never touches a tensor. This config's backend runs Ray's own worker-side steps
+    (``_setup_torch_process_group``, ``_set_torch_distributed_env_vars``, ``_shutdown_torch``)
+    through module functions that import them on the worker. ``backend`` None picks nccl with
+    GPUs, else gloo (as Ray does; TPUs are not ours).
+    """
+    return _lean_torch_config_class()(backend=backend, timeout_s=timeout_s)
+
+
 def torch_trainer(*args, **kwargs):
     """A ``ray.train.torch.TorchTrainer`` that starts no dataset-shard actor when it has no
     datasets (ours read their data in the loop) and no placement-group cleaner actor (the driver
     cleans up instead: :class:`PlacementGroupRecorder`): each start and restart of a job spawns
-    two processes fewer. Ray Train builds its callbacks in ``_create_default_callbacks``."""
+    two processes fewer. Ray Train builds its callbacks in ``_create_default_callbacks``. Its
+    backend config is :func:`torch_config`'s unless one is given: no torch in the controller."""
     from ray.train.torch import TorchTrainer
 
+    kwargs.setdefault("torch_config", torch_config())
     datasets_callback, pg_cleaner_callback = _left_out_callback_classes()
     recorder = _recorder_class()
 

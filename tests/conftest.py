@@ -50,8 +50,8 @@ def service_state_outside_home(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def ray_address_record_kept(request):
     """A test that runs `ray start` and stops it by pid leaves Ray's address record naming a dead
-    cluster; every later Ray on this machine would look it up (Ray Train's placement-group
-    cleaner then waits 12 s at the end of each run). Each Ray test leaves the record as it found it."""
+    cluster; every later Ray on this machine would look it up (a Ray Jobs driver's ``ray.init()``
+    then waits for the dead address). Each Ray test leaves the record as it found it."""
     if not any(request.node.get_closest_marker(m) for m in ("ray", "e2e")):
         yield  # the unit tier starts no Ray: it leaves the machine's record alone
         return
@@ -239,8 +239,8 @@ def multi_node(request):
     node_args = {"num_cpus": 1, "resources": {"spot": 1}, "node_ip_address": "127.0.0.1"}
     with pytest.MonkeyPatch.context() as patch:
         # Every process of the cluster, and every node the test adds (a killed node's replacement),
-        # imports the repo and knows the cluster's address: Ray's own lookups given no address (Ray
-        # Train's placement-group cleaner) read RAY_ADDRESS before the machine's address record,
+        # imports the repo and knows the cluster's address: Ray's own lookups given no address (a Ray
+        # Jobs driver's, the state API's) read RAY_ADDRESS before the machine's address record,
         # which names this cluster only until the first test's end.
         patch.setenv("PYTHONPATH", WORKER_PYTHONPATH)
         try:

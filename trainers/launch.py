@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import pyarrow.fs as pafs
 import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchTrainer
 
 from cluster import ray_adapter
 from cluster.capacity import gpu_capacity
@@ -100,8 +100,8 @@ def running_cluster_address() -> str | None:
     """RAY_ADDRESS, or the cluster `ray start` left on record if its GCS answers.
 
     A Ray that was killed without `ray stop` leaves its address record behind. Joining that
-    address hangs, and so do Ray's own "auto" lookups inside the local Ray started instead (Ray
-    Train's placement-group cleaner waits 12 s at the end of every run). A one-second TCP probe
+    address hangs, and so do Ray's own "auto" lookups inside the local Ray started instead (a
+    Ray Jobs driver's ``ray.init()``, `ray status`). A one-second TCP probe
     tells a live cluster from a stale record. The record is removed, as `ray stop` would have
     done, only when it is surely dead: this user's own file, naming this machine, whose GCS
     port refuses the connection (not a timeout: a busy or distant GCS), and unchanged meanwhile.
@@ -178,7 +178,7 @@ def ensure_ray(num_workers: int) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     num_cpus = max(os.cpu_count() or 1, num_workers + 2)
-    # The dashboard serves Ray's state API, which Ray Train's placement-group cleaner polls.
+    # Ray's dashboard (its Train pages, its state API for `ray list`): for the user to look at the run.
     ray_adapter.init_local_ray(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                                configure_logging=True, logging_level="WARNING")
     return True
@@ -235,7 +235,7 @@ def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
             "run_id": run_id, "previous_failure": previous_failure, "attempt_started_at": time.time(),
             "submitted_at": submitted_at,
         },
-        torch_config=TorchConfig(backend=runtime.backend, timeout_s=d.timeout_s),
+        torch_config=ray_adapter.torch_config(backend=runtime.backend, timeout_s=d.timeout_s),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=runtime.use_gpu,
                                      resources_per_worker=d.resources_per_worker,
                                      elastic_resize_monitor_interval_s=d.resize_check_interval_s),

@@ -448,6 +448,7 @@ def test_a_controller_killed_while_its_driver_lives_leaves_no_placement_group(ra
         wait_for(marker.exists, 120, "the workers to start")
         seen["during"] = live_groups() - before
         (controller,) = list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")])
+        seen["torch in the controller"] = "libtorch" in Path(f"/proc/{controller.pid}/maps").read_text()
         os.kill(controller.pid, signal.SIGKILL)
 
     killer = threading.Thread(target=kill_the_controller)
@@ -456,4 +457,5 @@ def test_a_controller_killed_while_its_driver_lives_leaves_no_placement_group(ra
         trainer.fit()
     killer.join()
     assert len(seen["during"]) == 1, "the run held one placement group for its workers"
+    assert not seen["torch in the controller"], "the controller imported torch (~1.6 CPU-s): see ray_adapter.torch_config"
     wait_for(lambda: not (live_groups() - before), 10, f"the dead controller's placement group {seen['during']} to go")

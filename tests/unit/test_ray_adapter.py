@@ -264,3 +264,73 @@ def test_first_then_runs_the_first_handler_once(count, expected):
     for _ in range(count):
         handler(2, None)
     assert calls == expected
+
+
+def test_the_lean_torch_config_runs_the_steps_of_rays_own_torch_backend():
+    """ray_adapter.torch_config stands in for TorchConfig so that the controller never imports
+    torch: it must configure what TorchConfig does and run every step Ray's backend runs on start."""
+    import dataclasses
+    import re
+
+    from ray.train.torch import config as torch_config_module
+    from ray.train.torch.config import TorchConfig, _TorchBackend
+
+    assert [f.name for f in dataclasses.fields(TorchConfig)] == ["backend", "init_method", "timeout_s"], \
+        "TorchConfig gained or lost a setting: mirror it in ray_adapter.torch_config"
+    lean, stock = ray_adapter.torch_config(backend="gloo", timeout_s=77), TorchConfig(backend="gloo", timeout_s=77)
+    assert lean.to_dict() == stock.to_dict() and lean.framework == stock.framework
+    assert lean.train_func_context is stock.train_func_context
+    assert lean.backend_cls.share_cuda_visible_devices == _TorchBackend.share_cuda_visible_devices
+    steps = set(re.findall(r"worker_group\.execute\w*\(\s*(?:\d+,\s*|i,\s*)?(\w+)", inspect.getsource(_TorchBackend.on_start)))
+    assert steps == {"get_address_and_port", "set_env_vars", "_set_torch_distributed_env_vars",
+                     "_setup_torch_process_group"}, f"Ray's torch backend now runs {steps} on start: mirror it"
+    assert list(inspect.signature(torch_config_module._setup_torch_process_group).parameters) == [
+        "backend", "world_rank", "world_size", "init_method", "timeout_s"]
+    assert list(inspect.signature(torch_config_module._shutdown_torch).parameters) == ["destroy_process_group"]
+    assert "_shutdown_torch" in inspect.getsource(_TorchBackend.on_shutdown)
+
+
+class FakeWorkerGroup:
+    """What the backend calls on Ray Train's worker group, recorded."""
+
+    def __init__(self, size: int, gpus: float):
+        self.size, self.gpus, self.calls = size, gpus, []
+
+    def __len__(self) -> int:
+        return self.size
+
+    def get_resources_per_worker(self) -> dict:
+        return {"CPU": 1, "GPU": self.gpus}
+
+    def execute_single(self, rank, fn, *args, **kwargs):
+        self.calls.append((rank, fn.__name__, kwargs))
+        return ("10.0.0.7", 29511)
+
+    def execute(self, fn, *args, **kwargs):
+        self.calls.append(("all", fn.__name__, kwargs))
+
+    def execute_single_async(self, rank, fn, *args, **kwargs):
+        self.calls.append((rank, fn.__name__, kwargs))
+        return rank
+
+    def execute_async(self, fn, *args, **kwargs):
+        self.calls.append(("all", fn.__name__, kwargs))
+        return []
+
+
+@pytest.mark.parametrize("backend,gpus,expected", [(None, 0, "gloo"), (None, 1, "nccl"), ("gloo", 1, "gloo")])
+def test_the_lean_torch_backend_sets_up_every_rank_as_rays_does(monkeypatch, backend, gpus, expected):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: refs)  # the fake's "futures" are the ranks
+    group, config = FakeWorkerGroup(3, gpus), ray_adapter.torch_config(backend=backend, timeout_s=42)
+    config.backend_cls().on_start(group, config)
+    assert group.calls == [
+        (0, "get_address_and_port", {}),
+        ("all", "_set_master_address", {"addr": "10.0.0.7", "port": 29511}),
+        ("all", "_set_torch_env_vars", {}),
+        *[(rank, "_setup_process_group", {"backend": expected, "world_rank": rank, "world_size": 3,
+                                          "init_method": "env://", "timeout_s": 42}) for rank in range(3)]]
+    group.calls.clear()
+    config.backend_cls().on_shutdown(group, config)
+    assert group.calls == [("all", "_shutdown_process_group", {"destroy_process_group": True})]
