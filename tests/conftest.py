@@ -21,6 +21,12 @@ WORKER_PYTHONPATH = os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")
 _HANDED_OUT: set[int] = set()
 
 
+def pytest_configure(config):
+    import exit_status
+
+    exit_status.install()  # the run ends with pytest's status, whatever the interpreter's teardown does
+
+
 def free_port() -> int:
     """A port free now and not handed out before in this process: a test that asks for several
     at once (one per Ray component) gets distinct ones, which the kernel does not promise when
@@ -176,6 +182,10 @@ def ray_local(s3_server):
 
 def pytest_sessionfinish(session, exitstatus):
     import sys as _sys
+
+    import exit_status
+
+    exit_status.remember(session)
 
     stop_multi_node()
     ray = _sys.modules.get("ray")
