@@ -279,17 +279,21 @@ from trainers.data.autotune import LoaderSetting, ladder, next_setting  # noqa: 
 S = [LoaderSetting(0, 2), LoaderSetting(1, 2), LoaderSetting(2, 2), LoaderSetting(4, 2)]
 
 
-@pytest.mark.parametrize("waits,want,done", [
-    ([0.01], S[0], True),                 # fast enough already: no workers
-    ([0.5], S[1], False),                 # waiting: try one worker
-    ([0.5, 0.2], S[2], False),            # better: go on
-    ([0.5, 0.2, 0.02], S[2], True),       # under the target: stay
-    ([0.5, 0.2, 0.19], S[1], True),       # no real gain: back to the best
-    ([0.5, 0.6], S[0], True),             # worse: back to none
-    ([0.5, 0.3, 0.2, 0.1], S[3], True),   # the top of the ladder: keep the best
+@pytest.mark.parametrize("probes,want,done", [
+    ([(0, 0.01)], S[0], True),                           # fast enough already: no workers
+    ([(0, 0.5)], S[1], False),                           # waiting: try one worker
+    ([(0, 0.5), (1, 0.2)], S[2], False),                 # better: go on
+    ([(0, 0.5), (1, 0.2), (2, 0.02)], S[2], True),       # under the target: stay
+    ([(0, 0.5), (1, 0.2), (2, 0.19)], S[2], False),      # no real gain yet: measure it again
+    ([(0, 0.5), (1, 0.2), (2, 0.19), (2, 0.21)], S[1], True),  # again no gain: back to the best
+    ([(0, 0.5), (1, 0.6)], S[1], False),                 # worse once (a start-up, a burst): again
+    ([(0, 0.5), (1, 0.6), (1, 0.55)], S[0], True),       # worse twice: back to none
+    ([(0, 0.665), (1, 0.826), (1, 0.35)], S[2], False),  # the second window shows the gain: go on
+    ([(0, 0.5), (1, 0.6), (1, 0.02)], S[1], True),       # its best is under the target: stay
+    ([(0, 0.5), (1, 0.3), (2, 0.2), (3, 0.1)], S[3], True),  # the top of the ladder: keep the best
 ])
-def test_next_setting(waits, want, done):
-    tried = list(zip(S, waits))
+def test_next_setting(probes, want, done):
+    tried = [(S[i], wait) for i, wait in probes]
     assert next_setting(tried, tuple(S)) == (want, done)
 
 
