@@ -103,6 +103,18 @@ class Heartbeat:
     time: float
     world_size: int
     cause: str | None = None  # "preemption notice" | "user error" when the loop knew why it stopped
+    attempt: float = 0.0  # the launcher attempt that wrote it (its start time); 0.0: not known
+
+
+def launcher_cause(pending: Heartbeat, attempt: float, previous_failure: str | None) -> str | None:
+    """The launcher's verdict on the failure before this attempt (``previous_failure``) describes the
+    interruption ``pending`` ended only when that beat was written by an earlier launcher attempt; a
+    beat of this attempt means Ray Train restarted the group inside it (a resize), which the launcher
+    never saw. Judged by the attempt the beat names, not by its time: the failed attempt's rank 0
+    can still beat after the launcher has started the next one (its heartbeat thread runs until
+    Ray kills the process), and a full run then recorded a user error as 'node lost'."""
+    earlier = pending.attempt != attempt if pending.attempt else pending.time < attempt
+    return previous_failure if earlier else None
 
 
 def interruption_record(last: Heartbeat, restored_step: int, world_size: int, now: float) -> dict:
@@ -123,10 +135,11 @@ def interruption_record(last: Heartbeat, restored_step: int, world_size: int, no
 class Heartbeats:
     """Rank 0's heartbeat in Ray's GCS key-value store (it outlives the workers, not the cluster)."""
 
-    def __init__(self, job_key: str, run_id: str, interval_s: float = HEARTBEAT_INTERVAL_S):
-        """``job_key``: the job's name in Ray's KV (trainers.home.JobHome.key), never its bare name."""
+    def __init__(self, job_key: str, run_id: str, interval_s: float = HEARTBEAT_INTERVAL_S, attempt: float = 0.0):
+        """``job_key``: the job's name in Ray's KV (trainers.home.JobHome.key), never its bare name;
+        ``attempt``: the launcher attempt this worker belongs to, written into each beat."""
         self.key = f"{job_key}/heartbeat".encode()
-        self.run_id = run_id
+        self.run_id, self.attempt = run_id, attempt
         self.interval_s = interval_s
         self._last = 0.0
 
@@ -143,7 +156,7 @@ class Heartbeats:
         if not force and now - self._last < self.interval_s:
             return
         self._last = now
-        kv_put(self.key, json.dumps(asdict(Heartbeat(self.run_id, step, now, world_size, cause))))
+        kv_put(self.key, json.dumps(asdict(Heartbeat(self.run_id, step, now, world_size, cause, self.attempt))))
 
 
 class StopFlag:

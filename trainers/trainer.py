@@ -38,7 +38,8 @@ from trainers.config import JobSpec, batching_summary
 from trainers.console import progress_text
 from trainers.data import BatchPlan, Feed, StepMicroBatches, accounting
 from trainers.observe import Observer, group_kinds
-from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, StopFlag, interruption_record
+from trainers.recovery import (HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, StopFlag, interruption_record,
+                               launcher_cause)
 from trainers.worker_log import worker_log, worker_logger
 from trainers.workloads import resolve
 
@@ -280,7 +281,8 @@ class Trainer:
     def start_services(self) -> None:
         """Heartbeat and stop poll, node kinds for cost, the observer, the checkpointer."""
         spec, rank = self.spec, self.rank
-        beats = Heartbeats(self.job_key, self.config.get("run_id") or "", HEARTBEAT_INTERVAL_S) if rank == 0 else None
+        beats = Heartbeats(self.job_key, self.config.get("run_id") or "", HEARTBEAT_INTERVAL_S,
+                           self.config.get("attempt_started_at", 0.0)) if rank == 0 else None
         self.pending_beat = beats.last() if beats else None  # the attempt before this one died at its last beat
         self.pulse = Pulse(beats, StopFlag(self.job_key), self.world).start() if rank == 0 else None
         kinds = [(ray.get_runtime_context().get_node_id(), own_node_kind())]
@@ -506,8 +508,8 @@ class Trainer:
         clock.steady_start = time.perf_counter()
         pending, config = self.pending_beat, self.config
         if pending is not None:
-            launcher_cause = config.get("previous_failure") if pending.time < config.get("attempt_started_at", 0) else None
-            record_interruption(self.root, self.job, pending, self.start, self.world, launcher_cause)
+            cause = launcher_cause(pending, config.get("attempt_started_at", 0.0), config.get("previous_failure"))
+            record_interruption(self.root, self.job, pending, self.start, self.world, cause)
             self.observer.interruptions(self.root.read_json(self.job, INTERRUPTIONS_FILE))
         if self.pulse:
             self.pulse.took_over(done)

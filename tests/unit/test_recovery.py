@@ -9,7 +9,8 @@ from ray.train.v2._internal.exceptions import UserExceptionWithTraceback, Worker
 from ray.train.v2.api.preemption import PreemptionInfo
 from ray.train.v2.api.exceptions import ControllerError, PreemptionError, WorkerGroupError
 
-from trainers.recovery import Heartbeat, classify_failure, interruption_record, nodes_died, settle_peer_lost, should_retry
+from trainers.recovery import (Heartbeat, classify_failure, interruption_record, launcher_cause, nodes_died, settle_peer_lost,
+                               should_retry)
 
 
 def group(*errors):
@@ -199,3 +200,28 @@ def test_a_beat_that_fails_at_the_first_step_does_not_end_the_attempt(monkeypatc
 ])
 def test_nodes_died_since_a_fit_began(before, now, died):
     assert nodes_died(before, now) == died
+
+
+@pytest.mark.parametrize("beat,attempt,want", [
+    (Heartbeat("r", 11, 100.0, 2, attempt=90.0), 101.0, "user_error"),   # the failed attempt's beat
+    (Heartbeat("r", 11, 102.0, 2, attempt=90.0), 101.0, "user_error"),   # ... written after the next began
+    (Heartbeat("r", 11, 105.0, 2, attempt=101.0), 101.0, None),          # a restart inside this attempt
+    (Heartbeat("r", 11, 100.0, 2), 101.0, "user_error"),                 # a beat without its attempt: by time
+    (Heartbeat("r", 11, 102.0, 2), 101.0, None),
+])
+def test_the_launchers_cause_names_an_interruption_by_the_attempt_that_beat_last(beat, attempt, want):
+    assert launcher_cause(beat, attempt, "user_error") == want
+
+
+def test_a_beat_carries_its_attempt(monkeypatch):
+    import json
+
+    import trainers.recovery as recovery
+    from trainers.recovery import Heartbeats
+
+    kv = {}
+    monkeypatch.setattr(recovery, "kv_put", kv.__setitem__)
+    monkeypatch.setattr(recovery, "kv_get", kv.get)
+    Heartbeats("root/job", "run-1", attempt=90.0).beat(11, 2, force=True)
+    assert json.loads(kv[b"root/job/heartbeat"])["attempt"] == 90.0
+    assert Heartbeats("root/job", "run-1", attempt=101.0).last().attempt == 90.0
