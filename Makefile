@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST := $(PY) -m pytest
 
-.PHONY: demo test test-fast test-ray bench clean
+.PHONY: demo test test-profile test-fast test-ray bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ demo: $(STAMP)
 # `$(PYTEST) tests --ignore=tests/gpu` runs all of it in one lane.
 test: $(STAMP)
 	$(PY) tests/lanes.py -q --durations=15
+
+# Where the suite's CPU goes (it is CPU-bound on 2 cores): the whole suite as `make test` runs it,
+# each test's CPU seconds (with everything it started) in cpu-profile.jsonl, then a summary.
+test-profile: $(STAMP)
+	rm -f cpu-profile.jsonl
+	ETRAIN_CPU_PROFILE=$(CURDIR)/cpu-profile.jsonl $(PY) tests/lanes.py -q; \
+	status=$$?; $(PY) tests/fixtures/cpu_profile.py cpu-profile.jsonl; exit $$status
 
 # The fast tier for your own loop: no Ray is started, under a minute.
 test-fast: $(STAMP)

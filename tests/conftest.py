@@ -22,9 +22,11 @@ _HANDED_OUT: set[int] = set()
 
 
 def pytest_configure(config):
+    import cpu_profile
     import exit_status
 
     exit_status.install()  # the run ends with pytest's status, whatever the interpreter's teardown does
+    cpu_profile.install(config)  # with ETRAIN_CPU_PROFILE set (make test-profile): CPU seconds per test
 
 
 def free_port() -> int:
