@@ -113,8 +113,7 @@ def launcher_cause(pending: Heartbeat, attempt: float, previous_failure: str | N
     never saw. Judged by the attempt the beat names, not by its time: the failed attempt's rank 0
     can still beat after the launcher has started the next one (its heartbeat thread runs until
     Ray kills the process), and a full run then recorded a user error as 'node lost'."""
-    earlier = pending.attempt != attempt if pending.attempt else pending.time < attempt
-    return previous_failure if earlier else None
+    return previous_failure if pending.attempt != attempt else None
 
 
 def interruption_record(last: Heartbeat, restored_step: int, world_size: int, now: float) -> dict:

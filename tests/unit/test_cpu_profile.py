@@ -15,7 +15,7 @@ import pytest
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 BURN = """
-import os, subprocess, sys, time
+import subprocess, sys, time
 
 def test_burns_in_an_orphan(tmp_path):
     done = tmp_path / "done"
@@ -52,7 +52,7 @@ def test_an_exited_orphans_cpu_is_charged_to_its_test(tmp_path):
     rows = {r["test"].split("::")[1]: r for r in map(json.loads, out.read_text().splitlines())}
     assert rows["test_burns_in_an_orphan"]["cpu_s"] >= 0.5, rows
     assert rows["test_idle"]["cpu_s"] < 0.3, rows
-    assert set(Path("/sys/fs/cgroup/cpuacct").glob("etrain-profile-*")) == groups, "the run's cgroup is removed"
+    assert set(Path("/sys/fs/cgroup/cpuacct").glob("etrain-profile-*")) <= groups, "the run's cgroup is removed"
 
 
 def test_the_report_sums_modules_and_lists_the_costliest_tests(tmp_path):

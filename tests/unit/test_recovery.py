@@ -206,8 +206,7 @@ def test_nodes_died_since_a_fit_began(before, now, died):
     (Heartbeat("r", 11, 100.0, 2, attempt=90.0), 101.0, "user_error"),   # the failed attempt's beat
     (Heartbeat("r", 11, 102.0, 2, attempt=90.0), 101.0, "user_error"),   # ... written after the next began
     (Heartbeat("r", 11, 105.0, 2, attempt=101.0), 101.0, None),          # a restart inside this attempt
-    (Heartbeat("r", 11, 100.0, 2), 101.0, "user_error"),                 # a beat without its attempt: by time
-    (Heartbeat("r", 11, 102.0, 2), 101.0, None),
+    (Heartbeat("r", 11, 102.0, 2), 101.0, "user_error"),                 # a beat that names no attempt: not this one
 ])
 def test_the_launchers_cause_names_an_interruption_by_the_attempt_that_beat_last(beat, attempt, want):
     assert launcher_cause(beat, attempt, "user_error") == want
