@@ -304,21 +304,27 @@ def test_user_error_uses_the_budget_and_resumes_from_checkpoint(flaky):
 
 def test_a_script_importing_only_the_adapter_starts_its_local_ray_on_loopback(tmp_path):
     """A fresh process that imports ray before anything sets Ray's loopback switch (only
-    `import trainers` did): its local Ray must still be on 127.0.0.1, not the machine's address."""
+    `import trainers` did): its local Ray must still be on 127.0.0.1, not the machine's address.
+    It starts no idle workers that nothing would use (Ray prestarts them unless told not to)."""
     ray_tmp = tempfile.mkdtemp(prefix="etr-")  # short: Ray's socket paths live under it (108 bytes at most)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
     env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmp)
     script = ("import ray\nfrom cluster.ray_adapter import init_local_ray\n"
               "print('address', init_local_ray(num_cpus=1, include_dashboard=False, configure_logging=False))\n"
-              "print('node', ray.util.get_node_ip_address())\nray.shutdown()\n")
+              "print('node', ray.util.get_node_ip_address())\n"
+              "import time, psutil\ntime.sleep(3)\n"  # prestarted workers are up within a second of the start
+              "raylet = [p for p in psutil.Process().children(recursive=True) if p.name() == 'raylet']\n"
+              "print('idle', len([w for p in raylet for w in p.children() if w.cmdline()[:1] == ['ray::IDLE']]))\n"
+              "ray.shutdown()\n")
     try:
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,
                              cwd=tmp_path)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    said = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("address ", "node ")))
+    said = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("address ", "node ", "idle ")))
     assert said["address"].startswith("127.0.0.1:") and said["node"] == "127.0.0.1", out.stdout
+    assert said["idle"] == "0", "no idle workers prestarted"
 
 
 def test_doctor_finds_the_running_cluster(ray_local, tmp_path):
