@@ -135,6 +135,9 @@ def port_free(port: int) -> bool:
             return False
 
 
+SHARED_RAY = {"dashboard": True}  # whether the shared Ray has a dashboard: set at collection
+
+
 def start_local_ray():
     """The tests' shared Ray, as `ray start` would leave it: its address on record.
 
@@ -159,7 +162,8 @@ def start_local_ray():
     # the subprocesses tests start later see what a user's would.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", WORKER_PYTHONPATH)
-        address = init_local_ray(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
+        dashboard = {"dashboard_host": "127.0.0.1", "dashboard_port": free_port()} if SHARED_RAY["dashboard"] else {}
+        address = init_local_ray(num_cpus=4, include_dashboard=SHARED_RAY["dashboard"], **dashboard,
                                  configure_logging=True, logging_level="WARNING",
                                  # Workers hand custom metrics to the node's agent every second (10 s
                                  # by default), so a short test run shows up in Prometheus.
@@ -310,3 +314,6 @@ def pytest_collection_modifyitems(session, config, items):
         return next((i for i, prefix in enumerate(MODULE_ORDER) if path.startswith(prefix)), len(MODULE_ORDER))
 
     items.sort(key=rank)  # stable: pytest's order within a module stays
+    # The beside lane runs such modules each in a pytest of its own: a dashboard there is ~4.5 CPU-s
+    # to start and ~1.5 CPU-s a minute for nothing. Unmarked tests get one.
+    SHARED_RAY["dashboard"] = not all(item.get_closest_marker("no_dashboard") for item in items)

@@ -79,11 +79,18 @@ def readable_code(base: Path) -> Path:
 class Service:
     """The service as an operator deploys it on its own node: `ray start --head --port=...` with
     token auth, then `etrain serve` on that Ray, with its state folder and a secret in its
-    environment. Restarting the service restarts `etrain serve`; its Ray stays up."""
+    environment. Restarting the service restarts `etrain serve`; its Ray stays up. With ``ray_of``,
+    another `etrain serve` on that service's Ray (a Ray start is ~10 CPU-s of a busy machine)."""
 
-    def __init__(self, work: Path, args: list[str], s3_url: str):
-        self.work, self.args, self.port, self.gcs = work, args, free_port(), str(free_port())
+    def __init__(self, work: Path, args: list[str], s3_url: str, ray_of: "Service | None" = None):
+        self.work, self.args, self.port = work, args, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.proc, self.owns_ray = None, ray_of is None
+        if ray_of is not None:
+            self.gcs, self.tmp, self.env, self.ray, self.ray_log = ray_of.gcs, ray_of.tmp, ray_of.env, ray_of.ray, ray_of.ray_log
+            return
+        self.gcs = str(free_port())
+        self.ray_log = work / f"service-ray-{self.port}.log"
         self.tmp = Path(tempfile.mkdtemp(prefix="etrs-", dir="/tmp"))  # its Ray's files; short socket paths
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         self.env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "TMPDIR": str(self.tmp),
@@ -96,15 +103,13 @@ class Service:
              f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
              f"--runtime-env-agent-port={free_port()}", f"--ray-client-server-port={free_port()}",
              f"--temp-dir={self.tmp}"],
-            env=self.env, stdout=open(work / f"service-ray-{self.port}.log", "w"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+            env=self.env, stdout=open(self.ray_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         self.env["RAY_ADDRESS"] = f"127.0.0.1:{self.gcs}"
-        self.proc = None
 
     def wait_ray(self) -> None:
         """Until `ray start` says its node is up: a GCS port that listens is not yet a node a
         driver can join, and on a busy machine `etrain serve` would give up on it."""
-        log = self.work / f"service-ray-{self.port}.log"
+        log = self.ray_log
         wait_for(lambda: "Ray runtime started" in log.read_text() or (self.ray.poll() is not None and pytest.fail(
             f"the service's Ray exited: {log.read_text()[-3000:]}")), 120, "the service's Ray", poll_s=1)
 
@@ -141,6 +146,8 @@ class Service:
 
     def stop(self) -> None:
         self.stop_serve()
+        if not self.owns_ray:
+            return
         left = stop_session(self.ray.pid)
         self.ray.wait(timeout=30)
         assert not left, f"processes of the service's Ray still run: {left}"
@@ -198,8 +205,9 @@ def split(s3_server, tmp_path_factory):
         args = ["--storage-root", f"s3://{BUCKET}/root", "--state-dir", str(work / "state"),
                 "--tokens", str(work / "tokens.yaml"), "--config", str(work / "config.yaml")]
 
-        def service(*extra: str, wait: bool = True) -> Service:
-            svc = Service(work, [*args, *extra], s3_server)
+        def service(*extra: str, wait: bool = True, share_ray: bool = False) -> Service:
+            """``share_ray``: on the Ray of a service started before, if there is one."""
+            svc = Service(work, [*args, *extra], s3_server, ray_of=services[0] if share_ray and services else None)
             services.append(svc)
             svc.wait_ray()
             svc.run(wait=wait)
@@ -207,9 +215,10 @@ def split(s3_server, tmp_path_factory):
 
         yield SimpleNamespace(work=work, jobs_url=jobs_url, service=service)
     finally:
-        for svc in services:
+        for svc in reversed(services):  # a Ray's owner last
             svc.stop()
-            shutil.rmtree(svc.tmp, ignore_errors=True)
+            if svc.owns_ray:
+                shutil.rmtree(svc.tmp, ignore_errors=True)
         left = stop_session(jobs.pid)
         jobs.wait(timeout=30)
         shutil.rmtree(temp, ignore_errors=True)
@@ -277,7 +286,7 @@ def test_a_code_tenants_job_reaches_nothing_of_the_service(split):
 
 
 def test_the_service_refuses_code_tenants_on_its_own_cluster(split):
-    svc = split.service(wait=False)  # no --dashboard-url: jobs would run on the service's own Ray
+    svc = split.service(wait=False, share_ray=True)  # no --dashboard-url: jobs would run on the service's own Ray
     assert svc.proc.wait(timeout=240) == 2, svc.log()[-3000:]
     assert "error: tenant(s) crew-m have role 'code'" in svc.log() and "is the service's own Ray" in svc.log()
     assert "jobs_token_file" in svc.log()

@@ -23,7 +23,7 @@ import pytest
 
 from trainers.console import Console, strip_ansi
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.no_dashboard]
 REPO = Path(__file__).resolve().parents[2]
 LIVE_LINE = re.compile(r"step (\d+)/30 \D{0,200}?\d+%\s+loss \d+\.\d{4}\s+\d+ samples/s\s+eta \d+:\d\d:\d\d")
 

@@ -21,7 +21,7 @@ from trainers.config import validate
 from trainers.history import read_history
 from trainers.launch import EXIT_OK, run_job
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.no_dashboard]
 
 ROW_FEATURES = 1024  # 4 KiB a row
 GROUP_ROWS = 4096  # 16 MiB row groups

@@ -19,7 +19,7 @@ from trainers.config import validate
 from trainers.history import read_history
 from trainers.launch import EXIT_OK, run_job
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.no_dashboard]
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 VARIANTS = {
     "accumulation_x2": ({"training": {"micro_batch_size": 4}}, 1e-5),

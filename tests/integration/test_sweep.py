@@ -17,7 +17,7 @@ from trainers.launch import EXIT_OK
 from trainers.sweep import load_sweep, run_sweep
 from waiting import wait_for
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.no_dashboard]
 REPO = Path(__file__).resolve().parents[2]
 
 
