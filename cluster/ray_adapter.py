@@ -26,6 +26,11 @@
   the placement-group cleaner (``PlacementGroupCleanerCallback``: a detached actor per run that
   asks the dashboard's state API every second whether the controller lives): see
   :class:`PlacementGroupRecorder`.
+- Ray Train's preemption watcher (``PreemptionCallback`` starts a ``PreemptionWatcher`` actor at
+  every worker-group start: a process, ~1.4 CPU-s of imports, at each start and restart). It is
+  what turns a node drain (a spot notice) into each rank's ``get_preemption_info()``, so it stays,
+  as a thread of the controller: :func:`torch_trainer` turns Ray's off
+  (``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER``) and adds :class:`InProcessPreemptionCallback`.
 - The GCS port of a local start (``RAY_GCS_SERVER_PORT``, read by ``ray._private.node``): a
   local Ray tells its own processes where it is (:func:`init_local_ray`).
 - The session folder of the Ray this process started (``ray._private.worker._global_node``):
@@ -335,6 +340,43 @@ def _recorder_class():
     return PlacementGroupRecorder
 
 
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # ray.train.v2._internal.constants
+
+
+def _preemption_callback_class():
+    """Built on first use, like :func:`_recorder_class`."""
+    from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
+    from ray.train.v2._internal.execution.preemption import PreemptionWatcher
+
+    class InProcessPreemptionCallback(PreemptionCallback):
+        """Ray's preemption watcher, run as a thread of the controller instead of an actor of its own.
+
+        The watcher polls the GCS for drained nodes every few seconds and, when one of the group's
+        nodes drains, marks every rank preempted: a plain object with a daemon thread, which Ray
+        wraps in an actor for each worker-group start. Here the same object runs in the
+        controller's process (which outlives every group it starts): the same drains seen, the
+        same marks sent, one process fewer per start. Stopping it ends its thread at its next wait.
+        """
+
+        def after_worker_group_start(self, worker_group) -> None:
+            self._stop_watcher()
+            node_to_ranks: dict[str, list[int]] = {}
+            actors_by_rank = {}
+            for worker in worker_group.get_workers():
+                rank = worker.distributed_context.world_rank
+                node_to_ranks.setdefault(worker.metadata.node_id, []).append(rank)
+                actors_by_rank[rank] = worker.actor
+            self._watcher = PreemptionWatcher(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
+                                              worker_actors_by_rank=actors_by_rank)
+
+        def _stop_watcher(self) -> None:
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None:
+                watcher._stop_event.set()
+
+    return InProcessPreemptionCallback
+
+
 def remove_recorded_placement_group(key: bytes) -> None:
     """Remove the placement group recorded under ``key`` if it is still there (its controller
     died without removing it); forget the record."""
@@ -462,14 +504,17 @@ def torch_config(backend: str | None = None, timeout_s: int = 1800):
 def torch_trainer(*args, **kwargs):
     """A ``ray.train.torch.TorchTrainer`` that starts no dataset-shard actor when it has no
     datasets (ours read their data in the loop) and no placement-group cleaner actor (the driver
-    cleans up instead: :class:`PlacementGroupRecorder`): each start and restart of a job spawns
-    two processes fewer. Ray Train builds its callbacks in ``_create_default_callbacks``. Its
-    backend config is :func:`torch_config`'s unless one is given: no torch in the controller."""
+    cleans up instead: :class:`PlacementGroupRecorder`), and whose preemption watcher is a
+    thread of the controller (:class:`InProcessPreemptionCallback`), not an actor: each start
+    and restart of a job spawns three processes fewer. Ray Train builds its callbacks in
+    ``_create_default_callbacks``; the controller adds its own watcher unless the environment it
+    is given (Ray Train's RAY_TRAIN_* variables, from the driver's at ``fit()``) turns it off.
+    Its backend config is :func:`torch_config`'s unless one is given: no torch in the controller."""
     from ray.train.torch import TorchTrainer
 
     kwargs.setdefault("torch_config", torch_config())
     datasets_callback, pg_cleaner_callback = _left_out_callback_classes()
-    recorder = _recorder_class()
+    recorder, preemption_callback = _recorder_class(), _preemption_callback_class()
 
     class LeanTorchTrainer(TorchTrainer):
         pg_key = PG_KEY_PREFIX + uuid.uuid4().hex.encode()  # this class is made per trainer
@@ -477,9 +522,10 @@ def torch_trainer(*args, **kwargs):
         def _create_default_callbacks(self):
             left_out = (pg_cleaner_callback,) if self.datasets else (pg_cleaner_callback, datasets_callback)
             kept = [c for c in super()._create_default_callbacks() if not isinstance(c, left_out)]
-            return [*kept, recorder(self.pg_key)]
+            return [*kept, recorder(self.pg_key), preemption_callback()]
 
         def fit(self):
+            os.environ[PREEMPTION_WATCHER_ENV] = "0"  # ours runs instead (a second would mark each rank twice)
             try:
                 return super().fit()
             finally:

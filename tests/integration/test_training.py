@@ -130,6 +130,19 @@ def test_two_workers_learn_digits_and_stay_in_sync(unbroken):
     assert summary["final_loss"] < 0.5 * math.log(10), summary
 
 
+def test_a_run_starts_no_preemption_watcher_actor(unbroken, ray_local):
+    """Ray Train's preemption watcher runs in the controller (cluster/ray_adapter.py), not as an
+    actor of its own at every start: none of this Ray's actors, dead or alive, is one."""
+    from ray._private.worker import get_dashboard_url
+    from ray.util.state import list_actors
+
+    assert unbroken[2] == EXIT_OK
+    # This Ray's own state API: with other Rays on the machine, list_actors() cannot pick one by itself.
+    actors = list_actors(address=f"http://{get_dashboard_url()}", limit=10_000, detail=False)
+    assert {"TrainController", "RayTrainWorker"} <= {a.class_name for a in actors}, "the state API lists the runs' actors"
+    assert not [a for a in actors if a.class_name == "PreemptionWatcher"]
+
+
 def test_two_workers_learn_text_with_dynamic_batching(ray_local, tmp_path):
     spec = validate({
         "name": "lm", "training": {"batch_size": 16, "learning_rate": 3e-3, "max_steps": 30, "mixed_precision": "bf16",

@@ -127,10 +127,61 @@ def test_a_trainer_without_datasets_leaves_out_only_the_dataset_shard_callback()
     assert "PlacementGroupCleanerCallback" in stock, "Ray renamed or dropped its cleaner: see PlacementGroupRecorder"
     lean = names(ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1)))
     replaced = ("DatasetsCallback", "PlacementGroupCleanerCallback")
-    assert lean == [n for n in stock if n not in replaced] + ["PlacementGroupRecorder"]
+    assert lean == [n for n in stock if n not in replaced] + ["PlacementGroupRecorder", "InProcessPreemptionCallback"]
     with_data = ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
                                           datasets={"train": lambda: None})  # a dataset factory; no Ray started
     assert names(with_data).count("DatasetsCallback") == 1
+
+
+def test_rays_own_preemption_watcher_is_turned_off_by_the_variable_its_controller_reads():
+    from ray.train.v2._internal import constants
+    from ray.train.v2._internal.execution.controller.controller import TrainController
+
+    assert constants.ENABLE_PREEMPTION_WATCHER_ENV_VAR == ray_adapter.PREEMPTION_WATCHER_ENV
+    assert ray_adapter.PREEMPTION_WATCHER_ENV in constants.ENV_VARS_TO_PROPAGATE, "the driver's setting reaches the controller"
+    source = inspect.getsource(TrainController.__init__)
+    assert "ENABLE_PREEMPTION_WATCHER_ENV_VAR" in source and "PreemptionCallback()" in source, \
+        "Ray's controller starts its watcher another way: see InProcessPreemptionCallback"
+
+
+class FakeActor:
+    def __init__(self):
+        self.marks = []
+        self.mark_preempt = SimpleNamespace(remote=self.marks.append)
+
+
+def test_the_in_process_watcher_marks_every_rank_of_a_drained_node_and_stops_with_its_group(monkeypatch):
+    """Ray's watcher, run in the controller: a drain of one of the group's nodes marks every rank
+    (as Ray's actor does: every rank stops at the same step), a drain elsewhere none; the
+    group's shutdown ends the thread. Ray not started: the drain source is a fake."""
+    import threading
+    import time
+
+    from ray.train.v2._internal.execution import preemption
+
+    drained: dict[str, int] = {}
+    monkeypatch.setattr(preemption, "_get_draining_nodes", lambda: dict(drained))
+    monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.05")
+    actors = [FakeActor() for _ in range(3)]
+    group = SimpleNamespace(get_workers=lambda: [
+        SimpleNamespace(distributed_context=SimpleNamespace(world_rank=rank), metadata=SimpleNamespace(node_id=node),
+                        actor=actors[rank]) for rank, node in enumerate(["a", "a", "b"])])
+    callback = ray_adapter._preemption_callback_class()()
+    before = set(threading.enumerate())
+    callback.after_worker_group_start(group)
+    (thread,) = set(threading.enumerate()) - before
+    drained["elsewhere"] = 1
+    time.sleep(0.3)
+    assert [a.marks for a in actors] == [[], [], []], "a drain of a node the group does not use marks no rank"
+    drained["b"] = 1234
+    deadline = time.monotonic() + 5
+    while not all(a.marks for a in actors) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (info,) = {id(a.marks[0]): a.marks[0] for a in actors}.values()  # one notice, sent to every rank
+    assert info.preempted_node_ids == ["b"] and info.preempted_ranks == [2] and info.deadline_ms == 1234
+    callback.before_worker_group_shutdown(group)
+    thread.join(timeout=2)
+    assert not thread.is_alive(), "the group's shutdown stops its watcher"
 
 
 def test_a_head_started_here_still_reads_its_gcs_port_from_the_environment():
