@@ -162,12 +162,12 @@ def start_local_ray():
     # the subprocesses tests start later see what a user's would.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", WORKER_PYTHONPATH)
-        dashboard = {"dashboard_host": "127.0.0.1", "dashboard_port": free_port()} if SHARED_RAY["dashboard"] else {}
+        # Workers hand custom metrics to the node's agent every second (10 s by default), so a short
+        # test run shows up in Prometheus: where tests read the dashboard (and metrics) only.
+        dashboard = {"dashboard_host": "127.0.0.1", "dashboard_port": free_port(),
+                     "_system_config": {"metrics_report_interval_ms": 1000}} if SHARED_RAY["dashboard"] else {}
         address = init_local_ray(num_cpus=4, include_dashboard=SHARED_RAY["dashboard"], **dashboard,
-                                 configure_logging=True, logging_level="WARNING",
-                                 # Workers hand custom metrics to the node's agent every second (10 s
-                                 # by default), so a short test run shows up in Prometheus.
-                                 _system_config={"metrics_report_interval_ms": 1000})
+                                 configure_logging=True, logging_level="WARNING")
     address_record().parent.mkdir(parents=True, exist_ok=True)
     address_record().write_text(address)
 
@@ -314,6 +314,6 @@ def pytest_collection_modifyitems(session, config, items):
         return next((i for i, prefix in enumerate(MODULE_ORDER) if path.startswith(prefix)), len(MODULE_ORDER))
 
     items.sort(key=rank)  # stable: pytest's order within a module stays
-    # The beside lane runs such modules each in a pytest of its own: a dashboard there is ~4.5 CPU-s
-    # to start and ~1.5 CPU-s a minute for nothing. Unmarked tests get one.
+    # The beside lane runs such modules each in a pytest of its own: a dashboard there (and metrics
+    # every second) is ~4.5 CPU-s to start and ~2 CPU-s a minute for nothing. Unmarked tests get one.
     SHARED_RAY["dashboard"] = not all(item.get_closest_marker("no_dashboard") for item in items)

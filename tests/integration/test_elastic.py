@@ -44,11 +44,16 @@ def test_shrinks_on_node_loss_and_grows_back_with_every_sample_once(multi_node, 
 
     cluster, nodes = multi_node
     blobs_parquet(tmp_path / "blobs.parquet", SAMPLES, group_rows=100)
+    gate = tmp_path / "gate"
+    gate.touch()
     spec_of = lambda name, workers: validate({  # noqa: E731
         "name": name, "training": {"batch_size": 64, "learning_rate": 0.05, "max_steps": 1_000_000},
         "distributed": {"num_workers": workers, "resize_check_interval_s": 3},
         "checkpoint": {"interval": 25, "storage_root": str(tmp_path), "num_to_keep": None, "min_interval_s": 2},
-        "model": {"factory": "userpkg:make_model", "options": {"hidden": 16}},
+        # userpkg's make_model(hidden=16), waiting 10 ms a step while the gate is there: the job runs
+        # until the test stops it, and leaves the machine to the node starts meanwhile; the unbroken
+        # reference runs after the gate is gone, at full speed
+        "model": {"factory": "slowpkg:busy_model", "options": {"compute_s": 0.01, "gate": str(gate)}},
         "data": {"source": str(tmp_path / "blobs.parquet"), "shuffle_window_row_groups": 3,
                  "record_sample_ids": True},
     })
@@ -73,6 +78,7 @@ def test_shrinks_on_node_loss_and_grows_back_with_every_sample_once(multi_node, 
     finally:
         StopFlag(job_home(spec).key).request()
         job.join(timeout=300)
+        gate.unlink()
     assert result.get("code") == EXIT_STOPPED, result
     final = result["summary"]["final_step"]
     assert [r["world_size_after"] for r in interruptions(tmp_path, "streamed")] == [1, 2]

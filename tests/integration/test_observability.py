@@ -50,7 +50,8 @@ def observed(ray_local, tmp_path_factory):
                             stdout=open(work / "prometheus.log", "w"), stderr=subprocess.STDOUT)
     port = free_port()
     settings = ServiceSettings(storage_root=str(work / "root"), state_dir=str(work / "state"),
-                               ray_dashboard_url=f"http://{get_dashboard_url()}", reconcile_interval_s=1, stop_wait_s=60)
+                               ray_dashboard_url=f"http://{get_dashboard_url()}", reconcile_interval_s=1, stop_wait_s=60,
+                               factory_modules=["slowpkg", "userpkg"])
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(JobService.bind(settings.model_dump(), [TokenEntry(tenant="team-o", role="user", token=TOKEN)
@@ -58,7 +59,10 @@ def observed(ray_local, tmp_path_factory):
         url, headers = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {TOKEN}"}
         spec = {"name": "observed", "training": {"batch_size": 64, "max_steps": 200000, "log_interval_steps": 10,
                                                  "profile": {"start_step": 20, "num_steps": 5}},
-                "distributed": {"num_workers": 2}, "model": {"hidden_size": 32},
+                # 10 ms a step (a step's compute, without the CPU): it runs until the module ends
+                "distributed": {"num_workers": 2},
+                "model": {"factory": "slowpkg:busy_model", "options": {"compute_s": 0.01}},
+                "data": {"factory": "userpkg:make_data"},
                 "checkpoint": {"interval": 50, "min_interval_s": 2},
                 "cost": {"prices_per_hour": {"local": {"on_demand": 3.0, "spot": 1.0}}}}
         started = time.time()

@@ -48,7 +48,8 @@ def service(ray_local, tmp_path_factory):
     root = tmp_path_factory.mktemp("service-root")
     settings = ServiceSettings(storage_root=str(root), state_dir=str(tmp_path_factory.mktemp("service-state")),
                                ray_dashboard_url=f"http://{get_dashboard_url()}", tenant_quotas={"fuzz": 0, "fuzz-ok": 2},
-                               stop_wait_s=60, reconcile_interval_s=1, max_body_bytes=65536)
+                               stop_wait_s=60, reconcile_interval_s=1, max_body_bytes=65536,
+                               factory_modules=["slowpkg", "userpkg"])
     tokens = [TokenEntry(tenant=t, role=r, token=token_of(w)).model_dump(exclude={"token"})
               for w, (t, r) in TOKENS.items()]
     port = free_port()
@@ -66,11 +67,17 @@ def api(svc, method: str, path: str, who: str | None = "alice", **kw) -> request
     return requests.request(method, svc.url + path, headers=headers, timeout=60, **kw)
 
 
-def job_spec(name: str, max_steps: int, workers: int = 1, interval: int = 20) -> dict:
+# A model (on the blobs) that waits 20 ms a step (a step's compute, without the CPU): a job that
+# runs until the test stops it leaves the machine to the rest of the suite meanwhile.
+WAITING = {"model": {"factory": "slowpkg:busy_model", "options": {"compute_s": 0.02}},
+           "data": {"factory": "userpkg:make_data"}}
+
+
+def job_spec(name: str, max_steps: int, workers: int = 1, interval: int = 20, waiting: bool = False) -> dict:
     return {"name": name, "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": max_steps,
                                        "log_interval_steps": 10},
             "distributed": {"num_workers": workers}, "model": {"hidden_size": 32},
-            "checkpoint": {"interval": interval}}
+            "checkpoint": {"interval": interval}, **(WAITING if waiting else {})}
 
 
 def wait_state(svc, job_id: str, states: set[str], timeout_s: float = 240, who: str = "alice") -> dict:
@@ -93,7 +100,7 @@ def quick(service):
 
 
 def test_submit_run_stop_resume_over_http(service, quick):
-    long_ = api(service, "POST", "/v1/jobs", data=json.dumps(job_spec("long", 200000, workers=2)).encode(),
+    long_ = api(service, "POST", "/v1/jobs", data=json.dumps(job_spec("long", 200000, workers=2, waiting=True)).encode(),
                 headers={"Content-Type": "application/yaml"})  # YAML is a superset of JSON
     assert quick.status_code == 201 and long_.status_code == 201, (quick.text, long_.text)
     quick_id, long_id = quick.json()["id"], long_.json()["id"]

@@ -32,13 +32,20 @@ def final_state(summary: dict) -> dict:
     return ckpt.load_state(root.fs, path)
 
 
-def digits_spec(root, name, dropout=0.1, **training):
+# A model (on the blobs) that waits 10 ms a step (a step's compute, without the CPU): a job that
+# runs until the test stops it leaves the machine to the rest of the suite meanwhile.
+WAITING = {"model": {"factory": "slowpkg:busy_model", "options": {"compute_s": 0.01}},
+           "data": {"factory": "userpkg:make_data"}}
+
+
+def digits_spec(root, name, dropout=0.1, waiting: bool = False, **training):
     return validate({
         "name": name,
         "training": {"batch_size": 64, "learning_rate": 0.01, "max_steps": 12, **training},
         "distributed": {"num_workers": 2},
         "checkpoint": {"interval": 4, "storage_root": str(root)},
         "model": {"hidden_size": 32, "dropout": dropout},
+        **(WAITING if waiting else {}),
     })
 
 
@@ -362,7 +369,7 @@ def test_a_stop_request_stops_its_job_only_with_a_checkpoint_and_a_stale_one_is_
     from trainers.recovery import StopFlag
     from waiting import wait_for
 
-    specs = [digits_spec(tmp_path / root, "twin", max_steps=1_000_000) for root in ("a", "b")]
+    specs = [digits_spec(tmp_path / root, "twin", waiting=True, max_steps=1_000_000) for root in ("a", "b")]
     specs[1].distributed.num_workers = 1  # a keeps 2 workers: its stop is a vote across ranks
     results = [{}, {}]
     runners = [threading.Thread(target=lambda s=s, r=r: r.update(zip(("code", "summary"), run_job(s))))
