@@ -145,7 +145,7 @@ def main() -> None:
         groups = len(src.group_sizes)
     server.stop()
 
-    from trainers.workloads.lm import stdlib_paragraphs
+    from trainers.workloads.datasets import stdlib_paragraphs
 
     lengths = np.array([min(len(p), 256) for p in stdlib_paragraphs(3000)])
     dynamic = BatchPlan(len(lengths), 64, seed=0, lengths=lengths)

@@ -43,10 +43,10 @@ from trainers.history import read_history  # noqa: E402
 
 
 def prepare_data(root: str) -> str:
-    from trainers.workloads.digits import DATASET_FILE, digits_table, prepare_builtin
+    from trainers.workloads.datasets import DIGITS_FILE, digits_table, prepare_builtin
     from trainers.config import validate
 
-    return prepare_builtin(validate({"name": "x"}), open_root(root), DATASET_FILE, digits_table)
+    return prepare_builtin(validate({"name": "x"}), open_root(root), DIGITS_FILE, digits_table)
 
 
 STARTUP_STEPS = 4000  # ~15 s of torchrun's training: about what etrain's start (a local Ray) takes

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
-import torch
 
 MANIFEST = "manifest.json"
 DIR_PATTERN = re.compile(r"^checkpoint_(\d+)$")
@@ -44,6 +43,8 @@ def _sha256(path: str) -> str:
 
 def write_local(directory: str, state: dict, file_name: str, metrics: dict | None = None) -> None:
     """Write the state, then the manifest that vouches for it (last, so it means 'complete')."""
+    import torch  # here, not at the top: drivers list and verify checkpoints without torch
+
     torch.save(state, os.path.join(directory, file_name))
     files = {}
     for name in sorted(os.listdir(directory)):
@@ -147,7 +148,9 @@ def list_checkpoints(fs: pafs.FileSystem, run_path: str) -> list[dict]:
     return sorted(out, key=lambda c: c["step"])
 
 
-def load_state(fs: pafs.FileSystem, path: str, map_location: str | torch.device = "cpu") -> dict:
+def load_state(fs: pafs.FileSystem, path: str, map_location: str = "cpu") -> dict:
+    import torch
+
     with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
         state_file = json.loads(f.read())["state_file"]
     with fs.open_input_file(posixpath.join(path, state_file)) as f:

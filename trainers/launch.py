@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import pyarrow.fs as pafs
 import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
 
 from cluster import ray_adapter
 from cluster.capacity import gpu_capacity
@@ -34,7 +33,7 @@ from trainers.config import JobSpec, SpecError
 from trainers.home import JobHome, job_home
 from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV
-from trainers.workloads import resolve
+from trainers.workloads.datasets import prepare_data
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +208,7 @@ WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_worker_niceness": "0"}
 
 def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
                   stop_at_step: int | None, run_id: str = "", previous_failure: str | None = None,
-                  callbacks: tuple = (), submitted_at: float | None = None) -> TorchTrainer:
+                  callbacks: tuple = (), submitted_at: float | None = None):
     from trainers.loop import train_loop_per_worker
 
     storage_path, run_name = home.ray_paths()
@@ -282,7 +281,7 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
         runtime = resolve_runtime(spec, capacity.now, capacity.launchable)
         for note in runtime.notes:
             say(f"[etrain] note: {note}")
-        data_uri = data_uri or resolve(spec).prepare(spec, root)
+        data_uri = data_uri or prepare_data(spec, root)
         submitted_at = first_submitted_at(home, started)
         say(f"[etrain] job {spec.name!r}: storage {home.uri}, checkpoints {home.run_uri}, "
             f"data {data_uri or spec.data.factory}")

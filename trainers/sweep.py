@@ -362,7 +362,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
     from ray import tune
 
     from trainers.launch import EXIT_FAILED, EXIT_OK, ensure_ray, preflight, release_ray
-    from trainers.workloads import resolve
+    from trainers.workloads.datasets import prepare_data
 
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # a killed driver loses at most 1 s of trial states
     started = time.time()
@@ -384,7 +384,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
         if not d.use_gpu and fits > cpus:
             say(f"[etrain] note: {s.max_concurrent_trials} trials x {d.max_workers} workers need {fits} CPUs, "
                 f"the cluster has {cpus:.0f}: trials will wait for workers")
-        data_uri = resolve(plan.spec).prepare(plan.spec, jobs)  # once, before trials race to make it
+        data_uri = prepare_data(plan.spec, jobs)  # once, before trials race to make it
         trainable = tune.with_resources(
             tune.with_parameters(run_trial, base=plan.base, jobs_uri=jobs.uri, data_uri=data_uri),
             # A trial's driver only waits on its TorchTrainer, whose workers hold the real resources

@@ -76,7 +76,7 @@ def test_rank_shares_partition_the_batch():
 
 
 def test_token_budget_is_never_exceeded_and_dynamic_pads_less():
-    from trainers.workloads.lm import stdlib_paragraphs
+    from trainers.workloads.datasets import stdlib_paragraphs
 
     lengths = np.array([min(len(p), 256) for p in stdlib_paragraphs(3000)])
     budget = 2048
@@ -162,7 +162,7 @@ def test_resize_mid_epoch_with_row_groups_sees_every_sample_once(before, after, 
 
 
 def test_dynamic_batching_within_windows_keeps_budget_and_pads_less():
-    from trainers.workloads.lm import stdlib_paragraphs
+    from trainers.workloads.datasets import stdlib_paragraphs
 
     lengths = np.array([min(len(p), 256) for p in stdlib_paragraphs(3000)])
     sizes = [500] * 6

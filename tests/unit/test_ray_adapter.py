@@ -133,6 +133,28 @@ def test_a_trainer_without_datasets_leaves_out_only_the_dataset_shard_callback()
     assert names(with_data).count("DatasetsCallback") == 1
 
 
+def test_the_lean_trainer_is_what_torch_trainer_makes_of_its_arguments():
+    """torch_trainer subclasses DataParallelTrainer, as TorchTrainer does, so that a driver never
+    imports ray.train.torch (and torch): TorchTrainer must still only turn ``torch_config`` into
+    the backend config, and its loop context must still be the one WorkerDeviceContext enters."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch.config import TorchConfigContextManager
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    assert TorchTrainer.__mro__[1] is DataParallelTrainer
+    assert "backend_config=torch_config" in inspect.getsource(TorchTrainer.__init__)
+    ours = set(inspect.signature(TorchTrainer.__init__).parameters) - {"torch_config"}
+    assert ours == set(inspect.signature(DataParallelTrainer.__init__).parameters) - {"backend_config"}
+    assert TorchConfig().train_func_context is TorchConfigContextManager
+    trainer = ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
+    assert isinstance(trainer, DataParallelTrainer)
+    assert type(trainer.backend_config).__name__ == "LeanTorchConfig" and trainer.backend_config.backend is None
+    assert trainer.backend_config.train_func_context is ray_adapter.WorkerDeviceContext
+    with ray_adapter.WorkerDeviceContext():  # on a CPU worker: Ray's context, which sets no device
+        pass
+
+
 def test_rays_own_preemption_watcher_is_turned_off_by_the_variable_its_controller_reads():
     from ray.train.v2._internal import constants
     from ray.train.v2._internal.execution.controller.controller import TrainController
@@ -330,7 +352,7 @@ def test_the_lean_torch_config_runs_the_steps_of_rays_own_torch_backend():
         "TorchConfig gained or lost a setting: mirror it in ray_adapter.torch_config"
     lean, stock = ray_adapter.torch_config(backend="gloo", timeout_s=77), TorchConfig(backend="gloo", timeout_s=77)
     assert lean.to_dict() == stock.to_dict() and lean.framework == stock.framework
-    assert lean.train_func_context is stock.train_func_context
+    assert lean.train_func_context is ray_adapter.WorkerDeviceContext  # which enters stock.train_func_context on the worker
     assert lean.backend_cls.share_cuda_visible_devices == _TorchBackend.share_cuda_visible_devices
     steps = set(re.findall(r"worker_group\.execute\w*\(\s*(?:\d+,\s*|i,\s*)?(\w+)", inspect.getsource(_TorchBackend.on_start)))
     assert steps == {"get_address_and_port", "set_env_vars", "_set_torch_distributed_env_vars",

@@ -8,16 +8,17 @@ over the global batch whatever the world size.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # the driver resolves a workload to prepare its data, without torch
+    import torch
+    from torch import nn
 
-from cluster.storage import StorageRoot
-from trainers.config import JobSpec
-from trainers.data.sources import FeatureSource, PairsSource, TokenSource
+    from cluster.storage import StorageRoot
+    from trainers.config import JobSpec
+    from trainers.data.sources import FeatureSource, PairsSource, TokenSource
 
-Source = FeatureSource | TokenSource | PairsSource
+    Source = FeatureSource | TokenSource | PairsSource
 
 
 class Workload(Protocol):

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from cluster.storage import StorageRoot
 from trainers.config import JobSpec
 from trainers.data import FeatureSource, PairsSource, ParquetFiles
+from trainers.workloads.datasets import prepare_data
 
 
 def load_ref(ref: str):
@@ -30,7 +31,7 @@ class CustomWorkload:
         self.loss = loss
 
     def prepare(self, spec: JobSpec, root: StorageRoot) -> str:
-        return spec.data.source or ""
+        return prepare_data(spec, root)
 
     def dataset(self, spec: JobSpec, data_uri: str) -> FeatureSource | PairsSource:
         if spec.data.factory:

@@ -7,11 +7,6 @@ lengths vary widely: that is what dynamic batching and gradient checkpointing ar
 
 from __future__ import annotations
 
-import ast
-import sysconfig
-from pathlib import Path
-
-import pyarrow as pa
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -20,37 +15,10 @@ from torch.utils.checkpoint import checkpoint
 from cluster.storage import StorageRoot
 from trainers.config import JobSpec
 from trainers.data import ParquetFiles, TokenSource
-from trainers.workloads.digits import prepare_builtin
+from trainers.workloads.datasets import prepare_data
 
-DATASET_FILE = "datasets/text-v1.parquet"
 VOCAB = 257  # 256 byte values and one padding id
 PAD_ID = 256
-MIN_LEN, MAX_LEN, MAX_SEQUENCES = 16, 512, 8000
-
-
-def stdlib_paragraphs(limit: int = MAX_SEQUENCES) -> list[bytes]:
-    """Paragraphs of the standard library's module docstrings, in a fixed order."""
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    out: list[bytes] = []
-    for path in sorted(lib.glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-        except (SyntaxError, ValueError):
-            continue
-        docs = [ast.get_docstring(n) for n in ast.walk(tree)
-                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
-        for doc in filter(None, docs):
-            for para in doc.split("\n\n"):
-                data = " ".join(para.split()).encode("utf-8")[:MAX_LEN]
-                if len(data) >= MIN_LEN:
-                    out.append(data)
-                    if len(out) >= limit:
-                        return out
-    return out
-
-
-def text_table() -> pa.Table:
-    return pa.table({"tokens": [list(p) for p in stdlib_paragraphs()]})
 
 
 class Block(nn.Module):
@@ -94,7 +62,7 @@ class TinyGPT(nn.Module):
 
 class LanguageModel:
     def prepare(self, spec: JobSpec, root: StorageRoot) -> str:
-        return prepare_builtin(spec, root, DATASET_FILE, text_table)
+        return prepare_data(spec, root)
 
     def dataset(self, spec: JobSpec, data_uri: str) -> TokenSource:
         return TokenSource(ParquetFiles(data_uri), spec.data.columns.tokens, pad_id=PAD_ID, max_len=spec.model.max_seq_len)
