@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/etrain demo
 
-# The whole suite: unit (no Ray), integration (a local Ray), e2e, in lanes at once (tests/lanes.py:
-# the unit tier, the rehearsed cloud, the code tenant and a few modules in namespaces of their own);
+# The whole suite: unit (no Ray), integration (a local Ray), e2e. The rehearsed cloud, then the
+# code tenant and a few modules (in namespaces of their own) run beside the rest (tests/lanes.py);
 # `$(PYTEST) tests --ignore=tests/gpu` runs all of it in one lane.
 test: $(STAMP)
 	$(PY) tests/lanes.py -q --durations=15
