@@ -1,25 +1,22 @@
-"""Run the whole suite as lanes at once: everything on this machine's network, and beside it
-runs in namespaces of their own (and the rehearsed cloud, in its own).
+"""Run the whole suite as two lanes at once: everything on this machine's network, and beside it
+the rehearsed cloud followed by modules in namespaces of their own.
 
 - **main**: every module but those below, one after another.
-- **early**: at the same time, in namespaces of their own (see below), :data:`EARLY`: the unit
-  tier (no Ray; ~45 s of waits on the processes its tests start, ~17 CPU-s), then `ray up` on
-  sshd and the spot-first autoscaler, each with a Ray of its own. Once they are done, the main
-  lane's modules are the only ones on this machine's network.
-- **beside**: tests/e2e/test_rehearsal.py (~4 minutes, mostly waiting on its cloud: `ray up`,
+- **unit**: the unit tier (no Ray), at the same time, in namespaces of its own (see below): it
+  is ~45 s of the main lane's wall time and ~17 CPU-s, mostly waits on the processes it starts.
+- **beside**: tests/e2e/test_rehearsal.py (~5 minutes, mostly waiting on its cloud: `ray up`,
   a spot notice's deadline, Ray noticing a cut node; its nodes live in network namespaces, as
-  other Unix users, so it shares only the CPUs), with :data:`WITH_REHEARSAL` at the same time in
-  namespaces of its own; then tests/integration/test_code_tenant.py in namespaces of its own
-  (``unshare --net --pid --mount``): its attacker job joins every Ray it can see and reads
-  every folder it may, and must find only its own test's. Its own loopback, process table and
-  /tmp/ray hide the other lanes' Rays from it. Then, in fresh namespaces of their own (with a
-  Ray of their own), the modules of :data:`BESIDE_MODULES`. The suite is near CPU-bound, and
-  its waits (a node's death, a worker group's start, a cloud's `ray up`) leave a core idle that
-  another lane fills. The namespaces' first process (:func:`init`) reaps orphans, as an init
+  other Unix users, so it shares only the CPUs), then tests/integration/test_code_tenant.py in
+  namespaces of its own (``unshare --net --pid --mount``): its attacker job joins every Ray it
+  can see and reads every folder it may, and must find only its own test's. Its own loopback,
+  process table and /tmp/ray hide the main lane's Rays from it. Then, in fresh namespaces of
+  their own (with a Ray of their own), the modules of :data:`BESIDE_MODULES`: the suite is
+  CPU-bound, and its waits (a node's death, a worker group's start) leave a core idle that
+  the other lane fills. The namespaces' first process (:func:`init`) reaps orphans, as an init
   must; when it exits the kernel stops what is left.
 
-The other lanes' output is kept in files and printed when all are done. The exit status is the
-first non-zero of the runs'.
+The beside lane's output is kept in a file and printed when both are done. The exit status is
+the first non-zero of the runs'.
 
     python tests/lanes.py [pytest args for the main lane and the namespaced runs...]
 """
@@ -35,13 +32,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-EARLY = ["tests/unit", "tests/e2e/test_ray_up.py", "tests/integration/test_spot_fallback.py"]
+UNIT = "tests/unit"  # no Ray, mostly waiting on the processes it starts: beside the main lane, not before it
 REHEARSAL = "tests/e2e/test_rehearsal.py"
-WITH_REHEARSAL = "tests/integration/test_loss_golden.py"  # ~90 s of CPU work while the cloud comes up
 CODE_TENANT = "tests/integration/test_code_tenant.py"
-# Modules that need nothing of the main lane's, sized so that the lanes end together.
+# Modules that need nothing of the main lane's, sized so that both lanes end together.
 BESIDE_MODULES = ["tests/integration/test_console.py", "tests/integration/test_data_scale.py",
-                  "tests/integration/test_sweep.py"]
+                  "tests/integration/test_loss_golden.py", "tests/integration/test_sweep.py"]
 LANE_RAY_DIR = "/tmp/ray"  # what Ray and `ray start` use when RAY_TMPDIR is unset
 PYTEST = [sys.executable, "-m", "pytest"]
 
@@ -100,15 +96,10 @@ def beside(argv: list[str]) -> int:
     the first non-zero exit status. On Ctrl-C each pytest gets its interrupt and is waited for:
     the rehearsal's fixtures take its cloud down (a cloud left up stops the next rehearsal
     from starting)."""
-    golden_log = Path(tempfile.mkstemp(prefix="etrain-with-rehearsal-", suffix=".log")[1])
-    with golden_log.open("w") as out:
-        golden = start_isolated(WITH_REHEARSAL, *argv, stdout=out)
-    rehearsal, golden_code = wait(subprocess.Popen([*PYTEST, REHEARSAL, "-q", "-p", "no:cacheprovider", "--durations=5"],
-                                                   cwd=REPO, start_new_session=True), golden)
-    print(f"---- {WITH_REHEARSAL}, in namespaces of its own at the same time:")
-    print(golden_log.read_text()[-30000:])
+    (rehearsal,) = wait(subprocess.Popen([*PYTEST, REHEARSAL, "-q", "-p", "no:cacheprovider", "--durations=5"],
+                                         cwd=REPO, start_new_session=True))
     sys.stdout.flush()
-    codes = [rehearsal, golden_code, isolated(CODE_TENANT, *argv), isolated(*BESIDE_MODULES, *argv)]
+    codes = [rehearsal, isolated(CODE_TENANT, *argv), isolated(*BESIDE_MODULES, *argv)]
     return next((code for code in codes if code), 0)
 
 
@@ -118,21 +109,21 @@ def main(argv: list[str]) -> int:
     with log.open("w") as out:
         side = subprocess.Popen([sys.executable, __file__, "--beside", "--", *argv], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    early_log = Path(tempfile.mkstemp(prefix="etrain-early-lane-", suffix=".log")[1])
-    with early_log.open("w") as out:
-        early = start_isolated(*EARLY, *argv, stdout=out)
-    elsewhere = [*EARLY, REHEARSAL, WITH_REHEARSAL, CODE_TENANT, *BESIDE_MODULES]
-    main_lane = subprocess.Popen([*PYTEST, "tests", "--ignore=tests/gpu", *(f"--ignore={m}" for m in elsewhere), *argv],
+    unit_log = Path(tempfile.mkstemp(prefix="etrain-unit-tier-", suffix=".log")[1])
+    with unit_log.open("w") as out:
+        unit = start_isolated(UNIT, *argv, stdout=out)
+    main_lane = subprocess.Popen([*PYTEST, "tests", "--ignore=tests/gpu", f"--ignore={UNIT}", f"--ignore={REHEARSAL}",
+                                  f"--ignore={CODE_TENANT}", *(f"--ignore={m}" for m in BESIDE_MODULES), *argv],
                                  cwd=REPO, start_new_session=True)
-    main_code, side_code, early_code = wait(main_lane, side, early)
-    print(f"\n---- {', '.join(EARLY)} in namespaces of their own (ran beside the tests above; its log: {early_log})")
-    print(early_log.read_text()[-30000:])
-    print(f"\n---- {REHEARSAL} with {WITH_REHEARSAL}, then {CODE_TENANT} and then {', '.join(BESIDE_MODULES)} in "
-          f"namespaces of their own (ran beside the tests above; its log: {log})")
+    main_code, side_code, unit_code = wait(main_lane, side, unit)
+    print(f"\n---- {UNIT} in namespaces of its own (ran beside the tests above; its log: {unit_log})")
+    print(unit_log.read_text()[-30000:])
+    print(f"\n---- {REHEARSAL}, then {CODE_TENANT} and then {', '.join(BESIDE_MODULES)} in namespaces of their "
+          f"own (ran beside the tests above; its log: {log})")
     print(log.read_text()[-30000:])
     print(f"---- all done in {time.monotonic() - started:.0f} s: main exit {main_code}, beside exit {side_code}, "
-          f"early exit {early_code}")
-    return main_code or side_code or early_code
+          f"unit tier exit {unit_code}")
+    return main_code or side_code or unit_code
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def quick(service):
 
 
 def test_submit_run_stop_resume_over_http(service, quick):
-    long_ = api(service, "POST", "/v1/jobs", data=json.dumps(job_spec("long", 200000, waiting=True)).encode(),
+    long_ = api(service, "POST", "/v1/jobs", data=json.dumps(job_spec("long", 200000, workers=2, waiting=True)).encode(),
                 headers={"Content-Type": "application/yaml"})  # YAML is a superset of JSON
     assert quick.status_code == 201 and long_.status_code == 201, (quick.text, long_.text)
     quick_id, long_id = quick.json()["id"], long_.json()["id"]
