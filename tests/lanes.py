@@ -1,9 +1,7 @@
 """Run the whole suite as two lanes at once: everything on this machine's network, and beside it
 the rehearsed cloud followed by modules in namespaces of their own.
 
-- **main**: every module but those below, one after another.
-- **unit**: the unit tier (no Ray), at the same time, in namespaces of its own (see below): it
-  is ~45 s of the main lane's wall time and ~17 CPU-s, mostly waits on the processes it starts.
+- **main**: the unit tier and every module but those below, one after another.
 - **beside**: tests/e2e/test_rehearsal.py (~5 minutes, mostly waiting on its cloud: `ray up`,
   a spot notice's deadline, Ray noticing a cut node; its nodes live in network namespaces, as
   other Unix users, so it shares only the CPUs), then tests/integration/test_code_tenant.py in
@@ -32,7 +30,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-UNIT = "tests/unit"  # no Ray, mostly waiting on the processes it starts: beside the main lane, not before it
 REHEARSAL = "tests/e2e/test_rehearsal.py"
 CODE_TENANT = "tests/integration/test_code_tenant.py"
 # Modules that need nothing of the main lane's, sized so that both lanes end together.
@@ -77,16 +74,11 @@ def init(argv: list[str]) -> int:
             return os.waitstatus_to_exitcode(status)
 
 
-def start_isolated(*pytest_argv: str, stdout=None) -> subprocess.Popen:
-    """pytest in network, PID and mount namespaces of its own (see :func:`init`), started."""
-    return subprocess.Popen(["unshare", "--net", "--pid", "--fork", "--mount-proc", "--propagation", "private",
-                             sys.executable, __file__, "--init", "--", *PYTEST, *pytest_argv],
-                            cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, start_new_session=True)
-
-
 def isolated(*pytest_argv: str) -> int:
-    """pytest in namespaces of its own, waited for."""
-    (code,) = wait(start_isolated(*pytest_argv))
+    """pytest in network, PID and mount namespaces of its own (see :func:`init`)."""
+    (code,) = wait(subprocess.Popen(["unshare", "--net", "--pid", "--fork", "--mount-proc", "--propagation",
+                                     "private", sys.executable, __file__, "--init", "--", *PYTEST, *pytest_argv],
+                                    cwd=REPO, start_new_session=True))
     sys.stdout.flush()
     return code
 
@@ -109,21 +101,15 @@ def main(argv: list[str]) -> int:
     with log.open("w") as out:
         side = subprocess.Popen([sys.executable, __file__, "--beside", "--", *argv], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    unit_log = Path(tempfile.mkstemp(prefix="etrain-unit-tier-", suffix=".log")[1])
-    with unit_log.open("w") as out:
-        unit = start_isolated(UNIT, *argv, stdout=out)
-    main_lane = subprocess.Popen([*PYTEST, "tests", "--ignore=tests/gpu", f"--ignore={UNIT}", f"--ignore={REHEARSAL}",
+    main_lane = subprocess.Popen([*PYTEST, "tests", "--ignore=tests/gpu", f"--ignore={REHEARSAL}",
                                   f"--ignore={CODE_TENANT}", *(f"--ignore={m}" for m in BESIDE_MODULES), *argv],
                                  cwd=REPO, start_new_session=True)
-    main_code, side_code, unit_code = wait(main_lane, side, unit)
-    print(f"\n---- {UNIT} in namespaces of its own (ran beside the tests above; its log: {unit_log})")
-    print(unit_log.read_text()[-30000:])
+    main_code, side_code = wait(main_lane, side)
     print(f"\n---- {REHEARSAL}, then {CODE_TENANT} and then {', '.join(BESIDE_MODULES)} in namespaces of their "
           f"own (ran beside the tests above; its log: {log})")
     print(log.read_text()[-30000:])
-    print(f"---- all done in {time.monotonic() - started:.0f} s: main exit {main_code}, beside exit {side_code}, "
-          f"unit tier exit {unit_code}")
-    return main_code or side_code or unit_code
+    print(f"---- all done in {time.monotonic() - started:.0f} s: main exit {main_code}, beside exit {side_code}")
+    return main_code or side_code
 
 
 if __name__ == "__main__":
