@@ -12,7 +12,6 @@ from trainers.data import FeatureSource, ParquetFiles
 from trainers.workloads.datasets import prepare_data
 
 
-
 class Digits:
     def prepare(self, spec: JobSpec, root: StorageRoot) -> str:
         return prepare_data(spec, root)
