@@ -153,8 +153,8 @@ def main() -> None:
     lines += ["", "## All figures", "", "| figure | min | median | max | runs | target | | script |",
               "|---|---|---|---|---|---|---|---|"]
     lines += [row for _, row in short] + [row for _, row in rows]
-    lines += ["", "## GPU", "", "`bench/gpu.py` is the prepared script for a lent H200 (see its docstring); its "
-              "figures are added here when a GPU run has been made.", "",
+    # The GPU figures come from a lent machine, not from this run: kept in bench/gpu_results.md.
+    lines += ["", "## GPU", "", (REPO / "bench" / "gpu_results.md").read_text().strip(), "",
               "## Run times", "", "; ".join(timings), ""]
     Path(args.out).write_text("\n".join(lines))
     print(f"[bench] wrote {args.out}")

@@ -15,7 +15,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))  # user-code packages the specs import
-WORKER_PYTHONPATH = os.pathsep.join([str(REPO), str(REPO / "tests" / "fixtures")])  # what Ray's workers import
+# What Ray's workers import, ahead of the caller's own PYTHONPATH (kept: where packages come from it, as on
+# the lent GPU machine, Ray's own agent and workers import Ray through it).
+WORKER_PYTHONPATH = os.pathsep.join(
+    [str(REPO), str(REPO / "tests" / "fixtures"), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 _HANDED_OUT: set[int] = set()

@@ -11,7 +11,8 @@ import torch
 from trainers.config import validate
 from trainers.launch import EXIT_OK, resolve_runtime, run_job
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.py runs these)")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.py runs these)"),
+              pytest.mark.no_dashboard]
 
 
 def lm_spec(root, name: str, precision: str) -> object:
