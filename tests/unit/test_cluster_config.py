@@ -91,3 +91,22 @@ def test_rehearsal_renders_only_the_provider_auth_key_and_mount():
     assert rendered["file_mounts"] == {"~/elastic-train": str(REPO), "~/.ray/auth_token": "~/.ray/auth_token"}
     assert rendered["provider"] == {"type": "local", "head_ip": "10.77.0.11", "worker_ips": ["10.77.0.12", "10.77.0.13"]}
     validate_config(prepare_config(rendered))
+
+
+def test_the_node_image_is_installed_with_uv_beside_this_python_else_pip(tmp_path, monkeypatch):
+    from cluster.rehearsal import cloud
+
+    python = tmp_path / "image" / "bin" / "python"
+    monkeypatch.setattr(cloud.sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
+    assert cloud.installer(python) == [str(python), "-m", "pip", "install", "-q"]
+
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "uv").touch()
+    uv = cloud.installer(python)
+    assert uv[:3] == [str(tmp_path / "venv" / "bin" / "uv"), "pip", "install"]
+    assert uv[uv.index("--python") + 1] == str(python), "into the image, not into this venv"
+    assert uv[uv.index("--find-links") + 1] == "/opt/wheels", "uv does not read pip's settings"
+    assert "--compile-bytecode" in uv, "PYTHONDONTWRITEBYTECODE machines would compile at every start"
+    monkeypatch.delenv("PIP_FIND_LINKS")
+    assert "--find-links" not in cloud.installer(python)
