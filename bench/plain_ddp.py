@@ -2,7 +2,9 @@
 
 The same model (the digits MLP), data (the digits Parquet file), global batch, optimizer
 and thread count as the etrain job it is compared with; a DistributedSampler and a
-DataLoader, as a DDP user writes it. Rank 0 prints one JSON line with its figures.
+DataLoader, as a DDP user writes it, fetching each micro-batch from the in-memory tensors in one
+gather (a BatchSampler, as for in-memory data; the etrain side indexes its tensors likewise), so
+the comparison is of the loops. Rank 0 prints one JSON line with its figures.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 WINDOW_STEPS = 100  # the etrain side logs its samples/s every 100 steps: the same windows here
 WARMUP_FRACTION = 0.1
@@ -76,7 +78,7 @@ def main() -> None:
     while step < args.steps:
         sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True)
         sampler.set_epoch(epoch)
-        for xb, yb in DataLoader(data, batch_size=per_rank, sampler=sampler, drop_last=True):
+        for xb, yb in DataLoader(data, sampler=BatchSampler(sampler, per_rank, drop_last=True), batch_size=None):
             loss = F.cross_entropy(model(xb), yb)
             opt.zero_grad(set_to_none=True)
             loss.backward()

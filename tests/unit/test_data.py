@@ -272,6 +272,22 @@ def test_pairs_source_collates_a_users_items():
     assert out[0]["x"].tolist() == [[3.0], [1.0]] and out[0]["y"].tolist() == [9, 1] and out[1]["y"].tolist() == [16]
 
 
+def test_a_tensor_dataset_is_fetched_by_indexing_its_tensors_with_what_item_reads_give():
+    x, y = torch.randn(50, 3), torch.randint(0, 10, (50,))
+    ids, sizes = np.array([7, 3, 49, 0, 12]), [3, 2]
+
+    class ItemByItem(torch.utils.data.TensorDataset):
+        def __getitem__(self, i):  # an override: the tensors may not be what it returns
+            return super().__getitem__(i)
+
+    slow, fast = PairsSource(ItemByItem(x, y)), PairsSource(torch.utils.data.TensorDataset(x, y))
+    assert slow.tensors is None and fast.tensors is not None
+    for a, b in zip(slow.fetch(ids, sizes, []), fast.fetch(ids, sizes, []), strict=True):
+        assert a["x"].dtype == b["x"].dtype and a["y"].dtype == b["y"].dtype
+        assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
+    assert PairsSource(torch.utils.data.TensorDataset(x, y, y)).tensors is None, "pairs only"
+
+
 # ---------------------------------------------------------------- data.num_workers: auto (pure decision)
 
 from trainers.data.autotune import LoaderSetting, ladder, next_setting  # noqa: E402

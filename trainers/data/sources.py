@@ -3,7 +3,8 @@
 A source turns sample ids into micro-batches (dicts of tensors) with array operations on the
 row groups' columns: no Python per sample for Parquet data. A user's own map-style Dataset
 (``data.factory``) is one in-memory group, fetched through its ``__getitems__`` when it has
-one, else item by item, and collated with PyTorch's ``default_collate``.
+one, else item by item, and collated with PyTorch's ``default_collate`` (a plain
+``TensorDataset`` of two tensors: by indexing its tensors, which gives the same).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from trainers.data.parquet import ParquetFiles, RowGroupCache
 from trainers.data.plan import group_offsets
@@ -222,6 +223,10 @@ class PairsSource:
     def __init__(self, inner: Dataset):
         self.inner = inner
         self.lengths = getattr(inner, "lengths", None)
+        # A plain TensorDataset of (input, target) is fetched by indexing its tensors: ~0.1 ms a
+        # micro-batch of 64 less than 64 item reads and a stack, the same tensors.
+        plain = isinstance(inner, TensorDataset) and type(inner).__getitem__ is TensorDataset.__getitem__
+        self.tensors = inner.tensors if plain and len(inner.tensors) == 2 else None
         self.group_sizes = np.array([len(inner)], dtype=np.int64)
 
     def __len__(self) -> int:
@@ -234,6 +239,9 @@ class PairsSource:
         """The fetch's items collated at once: as one ``Stacked`` pair of tensors when they collate
         to tensors (a loader process then hands over two arrays per fetch, not two shared-memory
         tensors per micro-batch, which cost the training process a millisecond or so each)."""
+        if self.tensors is not None:  # what item by item and default_collate give, in one gather per tensor
+            index = torch.as_tensor(ids)
+            return Stacked({"x": self.tensors[0][index], "y": self.tensors[1][index]}, sizes)
         getitems = getattr(self.inner, "__getitems__", None)
         items = getitems(ids.tolist()) if getitems else [self.inner[i] for i in ids.tolist()]
         x, y = default_collate(items)
