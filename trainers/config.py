@@ -197,10 +197,18 @@ class CheckpointConfig(Strict):
     min_interval_s: float = Field(
         5.0, ge=0, description="skip an interval checkpoint taken sooner than this after the last one: Ray Train "
         "registers about one report per 2 s, and faster async uploads would queue up and lag behind")
-    preemption_check_steps: int = Field(
-        10, gt=0, description="steps between checks for a spot notice: each rank reads its own notice and the "
-                              "ranks agree in one small all-reduce (with the loss window and the stop vote); "
-                              "keep steps x this well inside the notice's deadline")
+    preemption_check_steps: int | Literal["auto"] = Field(
+        "auto", description="steps between checks for a spot notice (and a stop request): each rank reads its own "
+                            "notice and the ranks agree in one small all-reduce (with the loss window and the stop "
+                            "vote). 'auto': about once a second at the measured step time; a number: keep steps x "
+                            "this well inside the notice's deadline")
+
+    @field_validator("preemption_check_steps", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError("must be a positive number of steps, or 'auto' (about once a second)")
 
     @field_validator("path")
     @classmethod

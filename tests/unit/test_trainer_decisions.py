@@ -7,20 +7,42 @@ import pytest
 import torch
 
 from trainers.checkpointer import Kind, checkpoint_kind, interval_checkpoint_ok, to_cpu
-from trainers.config import batching_summary, validate
-from trainers.trainer import halved_split, oom_message, oom_vote_due, sync_due
+from trainers.config import SpecError, batching_summary, validate
+from trainers.trainer import (FIRST_CHECK_STEPS, MAX_CHECK_STEPS, halved_split, next_check_step, oom_message,
+                              oom_vote_due, sync_due)
 
 
-@pytest.mark.parametrize("done,log,preempt,interval,due", [
+@pytest.mark.parametrize("done,log,next_check,interval,due", [
     (10, 10, 10, 1000, True),
     (5, 10, 10, 1000, False),
     (5, 100, 5, 1000, True),  # a preemption check needs the all-reduce, not a log line
     (1000, 100, 7, 1000, True),
-    (999, 100, 7, 1000, False),
-    (7, 100, 7, 3, True),
+    (999, 100, 1007, 1000, False),
+    (7, 100, 1007, 3, False),
+    (9, 100, 1007, 3, True),  # a checkpoint step
 ])
-def test_sync_due(done, log, preempt, interval, due):
-    assert sync_due(done, log, preempt, interval) is due
+def test_sync_due(done, log, next_check, interval, due):
+    assert sync_due(done, log, next_check, interval) is due
+
+
+@pytest.mark.parametrize("done,every,step_s,next_check", [
+    (40, 10, 0.003, 50),  # a number is kept, whatever the step time
+    (0, "auto", 0.0, FIRST_CHECK_STEPS),  # nothing measured yet
+    (100, "auto", 0.003, 100 + 333),  # ~3 ms steps: about once a second, not every 10 steps
+    (100, "auto", 0.25, 104),
+    (100, "auto", 5.0, 101),  # slow steps: every step, never none
+    (100, "auto", 1e-6, 100 + MAX_CHECK_STEPS),
+])
+def test_next_preemption_check(done, every, step_s, next_check):
+    assert next_check_step(done, every, step_s) == next_check
+
+
+def test_preemption_check_steps_takes_auto_or_a_positive_number():
+    assert validate({"name": "x"}).checkpoint.preemption_check_steps == "auto"
+    assert validate({"name": "x", "checkpoint": {"preemption_check_steps": 25}}).checkpoint.preemption_check_steps == 25
+    for bad in (0, "sometimes", True):
+        with pytest.raises(SpecError, match=r"checkpoint\.preemption_check_steps: .* positive number of steps, or 'auto'"):
+            validate({"name": "x", "checkpoint": {"preemption_check_steps": bad}})
 
 
 @pytest.mark.parametrize("done,stop,interval,gap_ok,preempted,stop_requested,kind", [
