@@ -62,15 +62,19 @@ LIMITS = {
         "per chunk of steps and, with worker processes, their start-up and a slot number through a pipe; on a "
         "busy 2-core machine the workers compete with the main process for the CPU.",
     "throughput ratio":
-        "in-memory data on both sides, measured in alternating turns of a few seconds (bench/ddp_overhead.py). "
-        "The etrain side's turns carry Ray's own processes: 0.16 of a core during training here (the "
-        "controller's poll of each worker every 0.5 s, the placement-group cleaner's state-API check each "
-        "second, the preemption watcher's GCS poll, the GCS, raylet and dashboard), while both sides' ranks "
-        "leave ~0.5 of the 2 cores idle waiting on each other. With Ray's default 2 s poll and no preemption "
-        "watcher two pairs gave 0.940 and 0.962 (0.884-0.927 as shipped). Through our own loader the same "
-        "loop measures at or above plain DDP's DataLoader.",
+        "in-memory data on both sides, each micro-batch one gather of the tensors, measured in alternating turns "
+        "of a few seconds (bench/ddp_overhead.py). Measured alone (2026-12-04): both sides' ranks use ~0.72 of "
+        "a core each (~0.55 the training thread, ~0.15 gloo's), the rest waiting on each other; Ray's own "
+        "processes ~0.09 of a core (controller, GCS, raylet, dashboard and agent); ours takes ~10% more CPU a "
+        "step on the training thread and ~15% more wall time, where py-spy puts the difference in backward "
+        "(DDP's all-reduce wait). Ruled out: gradient_as_bucket_view (0.866 off, 0.857 on), the data path "
+        "(now equal). Preemption checks every 10 steps cost ~4% (0.857 -> 0.898 at every 100 steps): they now "
+        "come about once a second. Ray's 2 s controller poll would help, but report() waits for a poll and "
+        "async checkpoints every 100 steps would queue.",
     "async checkpoint throughput ratio":
-        "measured in turns (bench/turns.py), the gap is real and not S3's: to local disk it is as large. A "
+        "measured in turns (bench/turns.py), to local disk the gap is smaller (0.965 against 0.912 to moto S3 "
+        "on 2026-12-04, 0.975 against 0.946 on 2026-12-02): the upload to moto, on the same 2 cores, is part "
+        "of it. A "
         "checkpoint every 100 steps of ~4 ms is 1.7 a second, and each one costs ~40 ms of CPU across the "
         "processes (with async checkpoints the run uses ~0.07 of a core more): on rank 0 ~12 ms in our "
         "checkpoint thread (state file and its SHA-256 ~6, Ray's report() ~2, retention ~1, the metrics, cost and "
