@@ -14,18 +14,20 @@ PYTEST := $(PY) -m pytest
 # compiled on every core). The bytecode is made at install: these machines set
 # PYTHONDONTWRITEBYTECODE, so without it every process compiles all it imports (the suite ran 1145 s
 # instead of ~875). uv reads none of pip's settings: the disk's wheels (PIP_FIND_LINKS, a CPU torch
-# on CI machines) are passed on.
-UV_INSTALL := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+# on CI machines) are passed on; where uv fails (a registry's 503 that pip's configured mirror would
+# have served, a certificate only pip is told of, no uv at all) pip installs, with all its settings.
+UV_INSTALL := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(foreach links,$(PIP_FIND_LINKS),--find-links $(links))
+install = $(UV_INSTALL) $(1) || $(PY) -m pip install -q $(1)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q uv==0.13.9
-	$(UV_INSTALL) $(TORCH_SPEC)
+	-$(PY) -m pip install -q uv==0.13.9
+	$(call install,$(TORCH_SPEC))
 	# grafana-client brings niquests and urllib3-future, whose wheel overwrites urllib3 itself at
 	# every interpreter start (requests and schemathesis then misbehave). Built from source with
 	# URLLIB3_NO_OVERRIDE it stays beside urllib3, as its authors advise.
-	URLLIB3_NO_OVERRIDE=1 $(UV_INSTALL) --no-binary urllib3-future urllib3-future
-	$(UV_INSTALL) -e '.[dev]'
+	export URLLIB3_NO_OVERRIDE=1; $(call install,--no-binary urllib3-future urllib3-future)
+	$(call install,-e '.[dev]')
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -87,7 +87,7 @@ def plan_for(spec: JobSpec, dataset) -> BatchPlan:
 
 PREEMPTION_CHECK_S = 1.0  # preemption_check_steps "auto": a check about this often
 FIRST_CHECK_STEPS = 10  # "auto" before a step time is known
-MAX_CHECK_STEPS = 1000  # "auto" with very short steps: a step that turns slow is not waited for long
+MAX_CHECK_STEPS = 100  # "auto" with short steps: steps that turn slow (a stalled loader) are not waited out long
 
 
 def sync_due(done: int, log_every: int, next_check: int, interval_steps: int) -> bool:
@@ -99,7 +99,8 @@ def next_check_step(done: int, every: int | str, step_s: float) -> int:
     """The step of the next preemption check after a sync at ``done``: every ``every`` steps, or with
     "auto" about every PREEMPTION_CHECK_S at ``step_s``, rank 0's seconds a step since the last sync.
     Every rank gets rank 0's value through the all-reduce (the others add zero), so all agree. Each
-    check is one small all-reduce: every 10 steps of ~3 ms, they cost ~4% of the throughput."""
+    check is one small all-reduce: every 10 steps of ~3 ms, they cost ~4% of the throughput. Log steps
+    (``training.log_interval_steps``) sync as well."""
     if every != "auto":
         return done + int(every)
     if step_s <= 0:

@@ -280,12 +280,19 @@ def test_a_tensor_dataset_is_fetched_by_indexing_its_tensors_with_what_item_read
         def __getitem__(self, i):  # an override: the tensors may not be what it returns
             return super().__getitem__(i)
 
+    class Normalised(torch.utils.data.TensorDataset):
+        def __getitems__(self, ids):  # a batch transform of its own: it must be called
+            return [(x[i] * 2, y[i]) for i in ids]
+
     slow, fast = PairsSource(ItemByItem(x, y)), PairsSource(torch.utils.data.TensorDataset(x, y))
-    assert slow.tensors is None and fast.tensors is not None
+    assert not slow.by_index and fast.by_index
+    (doubled,) = PairsSource(Normalised(x, y)).fetch(ids[:3], [3], [])
+    assert torch.equal(doubled["x"], x[ids[:3]] * 2)
     for a, b in zip(slow.fetch(ids, sizes, []), fast.fetch(ids, sizes, []), strict=True):
         assert a["x"].dtype == b["x"].dtype and a["y"].dtype == b["y"].dtype
         assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
-    assert PairsSource(torch.utils.data.TensorDataset(x, y, y)).tensors is None, "pairs only"
+    assert not PairsSource(torch.utils.data.TensorDataset(x, y, y)).by_index, "pairs only"
+    assert not PairsSource(torch.utils.data.TensorDataset(x.to_sparse(), y)).by_index, "no gather of sparse tensors"
 
 
 # ---------------------------------------------------------------- data.num_workers: auto (pure decision)

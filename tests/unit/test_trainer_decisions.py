@@ -28,10 +28,10 @@ def test_sync_due(done, log, next_check, interval, due):
 @pytest.mark.parametrize("done,every,step_s,next_check", [
     (40, 10, 0.003, 50),  # a number is kept, whatever the step time
     (0, "auto", 0.0, FIRST_CHECK_STEPS),  # nothing measured yet
-    (100, "auto", 0.003, 100 + 333),  # ~3 ms steps: about once a second, not every 10 steps
+    (100, "auto", 0.02, 150),  # 20 ms steps: about once a second, not every 10 steps
+    (100, "auto", 0.003, 100 + MAX_CHECK_STEPS),  # short steps: at most this many, should they turn slow
     (100, "auto", 0.25, 104),
     (100, "auto", 5.0, 101),  # slow steps: every step, never none
-    (100, "auto", 1e-6, 100 + MAX_CHECK_STEPS),
 ])
 def test_next_preemption_check(done, every, step_s, next_check):
     assert next_check_step(done, every, step_s) == next_check

@@ -224,9 +224,12 @@ class PairsSource:
         self.inner = inner
         self.lengths = getattr(inner, "lengths", None)
         # A plain TensorDataset of (input, target) is fetched by indexing its tensors: ~0.1 ms a
-        # micro-batch of 64 less than 64 item reads and a stack, the same tensors.
-        plain = isinstance(inner, TensorDataset) and type(inner).__getitem__ is TensorDataset.__getitem__
-        self.tensors = inner.tensors if plain and len(inner.tensors) == 2 else None
+        # micro-batch of 64 less than 64 item reads and a stack, the same tensors. Not a subclass that
+        # reads items its own way, nor sparse tensors (no gather).
+        kind = type(inner)
+        self.by_index = (isinstance(inner, TensorDataset) and kind.__getitem__ is TensorDataset.__getitem__
+                         and getattr(kind, "__getitems__", None) is None and len(inner.tensors) == 2
+                         and all(t.layout == torch.strided for t in inner.tensors))
         self.group_sizes = np.array([len(inner)], dtype=np.int64)
 
     def __len__(self) -> int:
@@ -239,9 +242,10 @@ class PairsSource:
         """The fetch's items collated at once: as one ``Stacked`` pair of tensors when they collate
         to tensors (a loader process then hands over two arrays per fetch, not two shared-memory
         tensors per micro-batch, which cost the training process a millisecond or so each)."""
-        if self.tensors is not None:  # what item by item and default_collate give, in one gather per tensor
+        if self.by_index:  # what item by item and default_collate give, in one gather per tensor
             index = torch.as_tensor(ids)
-            return Stacked({"x": self.tensors[0][index], "y": self.tensors[1][index]}, sizes)
+            x, y = (t[index].contiguous() for t in self.inner.tensors)
+            return Stacked({"x": x, "y": y}, sizes)
         getitems = getattr(self.inner, "__getitems__", None)
         items = getitems(ids.tolist()) if getitems else [self.inner[i] for i in ids.tolist()]
         x, y = default_collate(items)
