@@ -70,16 +70,18 @@ def image_requirements(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
     return [TORCH_PIN, "setuptools>=70", *deps]
 
 
-def installer(python: Path) -> list[str]:
-    """The install command for ``python``'s environment: uv where it sits beside this Python (make's
-    venv has it: it installs the image in seconds, from wheels its cache already holds), else pip.
-    uv reads none of pip's settings, so the disk's wheels (PIP_FIND_LINKS) are passed on."""
+def installers(python: Path) -> list[list[str]]:
+    """The install commands for ``python``'s environment, in the order tried: uv where it sits beside
+    this Python (make's venv has it: it installs the image in seconds, from wheels its cache already
+    holds), then pip with all of its own settings (a mirror or certificate only pip is told of), as
+    the Makefile does. uv reads none of pip's settings, so the disk's wheels (PIP_FIND_LINKS) are
+    passed on."""
+    pip = [str(python), "-m", "pip", "install", "-q"]
     uv = Path(sys.executable).parent / "uv"
     if not uv.exists():
-        return [str(python), "-m", "pip", "install", "-q"]
-    links = os.environ.get("PIP_FIND_LINKS")
-    return [str(uv), "pip", "install", "-q", "--compile-bytecode", "--python", str(python),
-            *(["--find-links", links] if links else [])]
+        return [pip]
+    links = [a for link in os.environ.get("PIP_FIND_LINKS", "").split() for a in ("--find-links", link)]
+    return [[str(uv), "pip", "install", "-q", "--compile-bytecode", "--python", str(python), *links], pip]
 
 
 def build_image(cache: Path = IMAGE_CACHE, say=print) -> Path:
@@ -98,7 +100,9 @@ def build_image(cache: Path = IMAGE_CACHE, say=print) -> Path:
     # System site-packages on: a node user's own `pip install` then goes to its user site, as on
     # an instance whose system Python holds the image's packages.
     run([DEBIAN_PYTHON, "-m", "venv", "--system-site-packages", str(venv)])
-    run([*installer(venv / "bin" / "python"), *reqs], timeout=1800)
+    *first, last = installers(venv / "bin" / "python")
+    if not any(run([*cmd, *reqs], check=False, timeout=1800).returncode == 0 for cmd in first):
+        run([*last, *reqs], timeout=1800)
     run(["chmod", "-R", "a+rX", str(venv)])
     (venv / ".complete").write_text("\n".join(reqs))
     return venv

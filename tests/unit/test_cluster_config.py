@@ -97,16 +97,19 @@ def test_the_node_image_is_installed_with_uv_beside_this_python_else_pip(tmp_pat
     from cluster.rehearsal import cloud
 
     python = tmp_path / "image" / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "-q"]
     monkeypatch.setattr(cloud.sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
-    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
-    assert cloud.installer(python) == [str(python), "-m", "pip", "install", "-q"]
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels /more/wheels")
+    assert cloud.installers(python) == [pip]
 
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "uv").touch()
-    uv = cloud.installer(python)
+    uv, then = cloud.installers(python)
+    assert then == pip, "pip, with its own settings, where uv fails"
     assert uv[:3] == [str(tmp_path / "venv" / "bin" / "uv"), "pip", "install"]
     assert uv[uv.index("--python") + 1] == str(python), "into the image, not into this venv"
-    assert uv[uv.index("--find-links") + 1] == "/opt/wheels", "uv does not read pip's settings"
+    assert [uv[i + 1] for i, a in enumerate(uv) if a == "--find-links"] == ["/opt/wheels", "/more/wheels"], \
+        "uv does not read pip's settings"
     assert "--compile-bytecode" in uv, "PYTHONDONTWRITEBYTECODE machines would compile at every start"
     monkeypatch.delenv("PIP_FIND_LINKS")
-    assert "--find-links" not in cloud.installer(python)
+    assert "--find-links" not in cloud.installers(python)[0]
