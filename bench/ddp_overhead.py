@@ -18,6 +18,10 @@ the other, a pair's ratio here measured the host (0.57-1.83 in one hour). Figure
   data path (Parquet -> plan -> loader) instead of the in-memory tensors; reported.
 - end-to-end ratio: the time each whole command ran (its turns, and alone after the other
   ended), start-up included, (b) over (a); reported, no target (Ray's start-up is the difference).
+- ratio at equal scheduling: (b) over (a) run wholly under SCHED_BATCH, the policy our CPU ranks
+  take (cluster/ray_adapter.py: batch_schedule_worker), a third side of the in-memory turns;
+  reported, no target. Torchrun's ranks gain from it as much as ours or more: the difference
+  between this figure and the throughput ratio is what that policy gives, the rest is our cost.
 
     python bench/ddp_overhead.py [--steps 6000] [--repeats 1] [--slice-s 4]
 """
@@ -76,23 +80,35 @@ def ours_command(root: str, steps: int, batch: int, hidden: int, name: str,
              "--set", "distributed.num_workers=2", *in_memory], env)
 
 
-def sliced_pair(plain_cmd: Command, ours_cmd: Command, ours_root: str, ours_name: str,
-                batch: int, slice_s: float, settle_s: float) -> tuple[float, float, float]:
-    """Plain DDP and one etrain run at once, taking turns on the machine in slices of ``slice_s``:
-    both meet the same host, whose speed here swings by up to 2x within minutes (one after the other,
-    a pair's ratio ranged 0.57-1.83). Returns (plain steady samples/s, ours, running-time ratio of the
-    whole commands, start-up included). Only windows inside a slice count (:func:`windows_in_slices`)."""
+BATCH_EXEC = ("import os, sys; os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0)); "
+              "os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def under_batch_scheduling(command: Command) -> Command:
+    """``command`` with SCHED_BATCH from its start: every process and thread it starts inherits it."""
+    argv, env = command
+    return [PY, "-c", BATCH_EXEC, *argv], env
+
+
+def sliced_runs(plain: dict[str, Command], ours_cmd: Command, ours_root: str, ours_name: str,
+                batch: int, slice_s: float, settle_s: float) -> tuple[dict[str, float], float]:
+    """Plain DDP (one run per entry of ``plain``) and one etrain run at once, taking turns on the machine
+    in slices of ``slice_s``: all meet the same host, whose speed here swings by up to 2x within
+    minutes (one after the other, a pair's ratio ranged 0.57-1.83). Returns (each side's steady
+    samples/s, "ours" included; the running-time ratio of the etrain command over the first plain
+    one, start-up included). Only windows inside a slice count (:func:`windows_in_slices`)."""
     logs = tempfile.TemporaryDirectory(prefix="etrain-bench-sliced-")
-    slices, alone = run_in_turns({"plain": plain_cmd, "ours": ours_cmd}, slice_s, Path(logs.name), REPO)
-    plain_out = (Path(logs.name) / "plain.out").read_text()
-    plain_marks = json.loads([x for x in plain_out.splitlines() if x.startswith("{")][-1])["window_marks"]
-    ours_marks = [row["time"] for row in read_history(open_root(ours_root), ours_name)]
+    slices, alone = run_in_turns({**plain, "ours": ours_cmd}, slice_s, Path(logs.name), REPO)
+    marks = {"ours": [row["time"] for row in read_history(open_root(ours_root), ours_name)]}
+    for side in plain:
+        out = (Path(logs.name) / f"{side}.out").read_text()
+        marks[side] = json.loads([x for x in out.splitlines() if x.startswith("{")][-1])["window_marks"]
     rates = {}
-    for side, marks in (("plain", plain_marks), ("ours", ours_marks)):
-        durations = windows_in_slices(marks, slices[side], settle_s)
+    for side, side_marks in marks.items():
+        durations = windows_in_slices(side_marks, slices[side], settle_s)
         rates[side] = steady_rate([WINDOW_STEPS * batch / d for d in durations])
     running = {side: sum(b - a for a, b in slices[side]) + alone[side] for side in slices}
-    return rates["plain"], rates["ours"], running["ours"] / running["plain"]
+    return rates, running["ours"] / running[next(iter(plain))]
 
 
 def main() -> None:
@@ -109,27 +125,39 @@ def main() -> None:
     data = prepare_data(root)
     # torchrun starts in seconds where etrain starts Ray: its extra steps keep it running until etrain trains
     plain_steps = args.steps + STARTUP_STEPS
-    figures: dict[str, list[float]] = {"plain": [], "ours": [], "loader": [], "ratio": [], "loader ratio": [], "wall": []}
+    figures: dict[str, list[float]] = {"plain": [], "ours": [], "loader": [], "ratio": [], "loader ratio": [], "wall": [],
+                                       "plain batch": [], "batch ratio": []}
     for i in range(args.repeats):
         for kind, data_arg in (("in-memory", data), ("loader", None)):
             name = f"ddp-bench-{kind}-{i}"
-            a, b, wall = sliced_pair(plain_command(data, plain_steps, args.batch_size, args.hidden),
-                                     ours_command(root, args.steps, args.batch_size, args.hidden, name, data_arg),
-                                     root, name, args.batch_size, args.slice_s, args.settle_s)
+            plain = {"plain": plain_command(data, plain_steps, args.batch_size, args.hidden)}
+            if kind == "in-memory" and hasattr(os, "SCHED_BATCH"):
+                plain["plain batch"] = under_batch_scheduling(plain["plain"])
+            rates, wall = sliced_runs(plain, ours_command(root, args.steps, args.batch_size, args.hidden, name, data_arg),
+                                      root, name, args.batch_size, args.slice_s, args.settle_s)
+            a, b = rates["plain"], rates["ours"]
+            batch_note = (f"; plain under SCHED_BATCH {rates['plain batch']:.0f} samples/s, ratio to it "
+                          f"{b / rates['plain batch']:.3f}" if "plain batch" in rates else "")
             print(f"[bench] pair {i} ({kind}): plain {a:.0f} samples/s, etrain {b:.0f} samples/s, ratio {b / a:.3f}; "
-                  f"running time ratio {wall:.2f}", file=sys.stderr)
+                  f"running time ratio {wall:.2f}{batch_note}", file=sys.stderr)
             if kind == "in-memory":
                 figures["plain"].append(a)
                 figures["ours"].append(b)
                 figures["ratio"].append(b / a)
                 figures["wall"].append(wall)
+                if "plain batch" in rates:
+                    figures["plain batch"].append(rates["plain batch"])
+                    figures["batch ratio"].append(b / rates["plain batch"])
             else:
                 figures["loader"].append(b)
                 figures["loader ratio"].append(b / a)
-    median = {k: statistics.median(v) for k, v in figures.items()}
+    median = {k: statistics.median(v) for k, v in figures.items() if v}
     print(f"plain ddp samples/s: {median['plain']:.0f}")
     print(f"etrain samples/s: {median['ours']:.0f}")
     print(f"end-to-end time ratio: {median['wall']:.2f}")
+    if "batch ratio" in median:
+        print(f"plain ddp samples/s under SCHED_BATCH: {median['plain batch']:.0f}")
+        print(f"throughput ratio at equal scheduling (plain under SCHED_BATCH too): {median['batch ratio']:.3f}")
     print(f"etrain samples/s with our loader: {median['loader']:.0f}")
     print(f"throughput ratio with our loader: {median['loader ratio']:.3f}")
     print(f"throughput ratio: {median['ratio']:.3f} (pairs: {', '.join(f'{r:.3f}' for r in figures['ratio'])})")

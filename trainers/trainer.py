@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.metrics import node_kind
+from cluster.ray_adapter import batch_schedule_worker
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.checkpointer import Checkpointer, Kind
@@ -227,6 +228,9 @@ class Trainer:
         self.stop = min(self.target, config.get("stop_at_step") or self.target)
         self.start, self.restored, self.jit_taken = 0, {}, False
         self.logger = worker_logger(self.rank)
+        # CPU ranks wholly, else Ray's main thread: its wake-ups and gloo's must not preempt the step
+        self.scheduling = batch_schedule_worker(whole_process=self.device.type == "cpu")
+        self.logger.debug("worker threads: %s", self.scheduling)
 
     # -------------------------------------------------------------- setup and restore
 
@@ -522,7 +526,7 @@ class Trainer:
             "batching": {"micro_batch_size": b.micro, "max_tokens": b.max_tokens, "reductions": list(b.reductions)},
             "rng": {"scheme": "torch.manual_seed(step_seed(seed, step, rank)) each step", "seed": t.seed},
             "metrics": dict(metrics), "observer": self.observer.checkpoint_state(),
-            "loader": self.feed.state(), "sample_ids": sample_ids,
+            "loader": self.feed.state(), "sample_ids": sample_ids, "scheduling": self.scheduling,
         }
 
     def after_first_step(self, done: int) -> None:

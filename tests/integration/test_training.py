@@ -133,6 +133,9 @@ def test_two_workers_learn_digits_and_stay_in_sync(unbroken):
     assert kept[-2:] == ["checkpoint_000000036", "checkpoint_000000040"] and len(kept) <= 3, kept
     state = final_state(summary)
     assert state["metrics"]["params_in_sync"] is True
+    # On CPU every thread of a rank runs SCHED_BATCH (cluster/ray_adapter.py: batch_schedule_worker),
+    # which only works while Ray Train runs the loop beside Ray's main thread, not on it.
+    assert state["scheduling"] == "SCHED_BATCH, every thread"
     assert summary["world_size"] == 2 and summary["final_step"] == 40
     assert summary["final_loss"] < 0.5 * math.log(10), summary
 

@@ -407,3 +407,82 @@ def test_the_lean_torch_backend_sets_up_every_rank_as_rays_does(monkeypatch, bac
     group.calls.clear()
     config.backend_cls().on_shutdown(group, config)
     assert group.calls == [("all", "_shutdown_process_group", {"destroy_process_group": True})]
+
+
+def test_ray_train_runs_the_training_function_in_a_thread_beside_rays_main_loop():
+    """batch_schedule_worker leans on this: the training function off the main thread, which Ray's
+    core worker keeps in its task-execution loop (the 10 ms signal check)."""
+    from ray._private.worker import Worker
+    from ray.train.v2._internal.execution.worker_group.thread_runner import ThreadRunner
+    from ray.train.v2._internal.execution.worker_group.worker import RayTrainWorker
+
+    assert "threading.Thread(" in inspect.getsource(ThreadRunner.run)
+    assert "ThreadRunner" in inspect.getsource(RayTrainWorker)
+    assert "run_task_loop" in inspect.getsource(Worker.main_loop)
+
+
+POLICIES_SCRIPT = """
+import json, os, sys, threading
+from cluster.ray_adapter import batch_schedule_worker
+helper_ready, done = threading.Event(), threading.Event()
+helper = threading.Thread(target=lambda: (helper_ready.set(), done.wait()), daemon=True)
+helper.start(); helper_ready.wait()
+said = {}
+if sys.argv[1] == "main":
+    said["text"] = batch_schedule_worker(whole_process=True)
+else:
+    worker = threading.Thread(target=lambda: said.update(text=batch_schedule_worker(whole_process=sys.argv[1] == "all"),
+                                                         tid=threading.get_native_id()))
+    worker.start(); worker.join()
+later = threading.Thread(target=lambda: said.update(later=os.sched_getscheduler(0)))  # started by the main thread
+later.start(); later.join()
+said["main"] = os.sched_getscheduler(os.getpid())
+said["helper"] = os.sched_getscheduler(helper.native_id)
+print(json.dumps(said))
+"""
+
+
+@pytest.mark.parametrize("how", ["all", "main-thread", "main"])
+def test_batch_scheduling_moves_every_thread_on_cpu_and_rays_main_thread_only_on_gpu(how):
+    """In a process of its own (the policy of a thread sticks): a helper started before the call and a
+    thread the main thread starts after it show which threads moved."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", POLICIES_SCRIPT, how], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60, check=True).stdout
+    said = json.loads(out)
+    batch, other = os.SCHED_BATCH, os.SCHED_OTHER
+    if how == "all":
+        assert said["text"] == "SCHED_BATCH, every thread"
+        assert (said["main"], said["helper"], said["later"]) == (batch, batch, batch)
+    elif how == "main-thread":
+        assert said["text"] == "SCHED_BATCH, Ray's main thread"
+        assert (said["main"], said["helper"], said["later"]) == (batch, other, batch)
+    else:
+        assert said["text"] == "default scheduling (the training function runs on Ray's main thread)"
+        assert (said["main"], said["helper"], said["later"]) == (other, other, other)
+
+
+def test_a_refused_batch_policy_leaves_every_thread_as_it_was(monkeypatch):
+    """A sandbox that refuses the call part way: the threads already moved go back, and the text says why."""
+    import errno
+    import threading
+
+    policies: dict[int, int] = {}
+
+    def setscheduler(tid, policy, param):
+        if len(policies) == 2 and tid not in policies:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+        policies[tid] = policy
+
+    monkeypatch.setattr(os, "sched_getscheduler", lambda tid: policies.get(tid, os.SCHED_OTHER))
+    monkeypatch.setattr(os, "sched_setscheduler", setscheduler)
+    monkeypatch.setattr(os, "listdir", lambda path: ["11", "12", "13"] if path == "/proc/self/task" else [])
+    said = {}
+    worker = threading.Thread(target=lambda: said.update(text=ray_adapter.batch_schedule_worker(whole_process=True)))
+    worker.start()
+    worker.join()
+    assert said["text"] == "default scheduling (SCHED_BATCH refused: Operation not permitted)"
+    assert policies == {11: os.SCHED_OTHER, 12: os.SCHED_OTHER}
