@@ -138,3 +138,28 @@ def test_a_side_that_fails_stops_the_pair_at_once_and_leaves_nothing_running(tmp
     left = [int(p) for p in pids.read_text().split()]
     assert len(left) == 2
     assert [pid for pid in left if start_time(pid) is not None] == [], "the sleeper and its child are gone"
+
+
+def test_the_equal_scheduling_side_runs_its_whole_tree_under_batch_scheduling_and_its_figures_are_collected(
+        monkeypatch, tmp_path):
+    """The bench's third side (torchrun under SCHED_BATCH): every process it starts inherits the policy."""
+    import os
+    import subprocess
+
+    ddp = load("ddp_overhead")
+    child = "import os, subprocess, sys; print(os.sched_getscheduler(0)); sys.stdout.flush(); " \
+            "subprocess.run([sys.executable, '-c', 'import os; print(os.sched_getscheduler(0))'])"
+    argv, env = ddp.under_batch_scheduling(([sys.executable, "-c", child], dict(os.environ)))
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert out == [str(os.SCHED_BATCH)] * 2, "the command and what it starts"
+    # run_all's parser takes both of the equal-scheduling lines as figures
+    run_all = load("run_all")
+    monkeypatch.setattr(run_all, "REPO", tmp_path.parent)
+    (tmp_path.parent / "bench").mkdir(exist_ok=True)
+    (tmp_path.parent / "bench" / "fake_batch.py").write_text(
+        "print('plain ddp samples/s under batch scheduling: 61522')\n"
+        "print('throughput ratio at equal scheduling (plain under batch scheduling too): 0.854')\n")
+    figures, failure, _ = run_all.run("fake_batch.py", [])
+    assert not failure
+    assert figures == {"plain ddp samples/s under batch scheduling": 61522.0,
+                       "throughput ratio at equal scheduling (plain under batch scheduling too)": 0.854}
