@@ -61,6 +61,7 @@ LIMITS = {
         "the upper bound is one tensor index per micro-batch (~20 us); our feed adds a DataLoader round trip "
         "per chunk of steps and, with worker processes, their start-up and a slot number through a pipe; on a "
         "busy 2-core machine the workers compete with the main process for the CPU.",
+    "throughput ratio": "see the note below.",
     "async checkpoint throughput ratio":
         "measured in turns (bench/turns.py). Our side costs nothing measurable: with Ray's report() left out "
         "(our state file and its SHA-256, retention, heartbeat and metrics flush kept) the ratio was 1.002, with "
@@ -82,8 +83,8 @@ NOTES = {
         "Train ran at 0.90-0.92 of torchrun. Torchrun's ranks gain as much or more from the same policy: the "
         "third side of the in-memory turns runs torchrun under SCHED_BATCH, and \"throughput ratio at equal "
         "scheduling\" is our loop and Ray against that, i.e. what is left of our cost (~0.85: about 0.09 is "
-        "Ray's worker process, plain DDP's loop in Ray Train at 0.905, the rest our loop, ~6% more CPU a step "
-        "measured in one process; 2026-12-04).",
+        "Ray's worker process, plain DDP's own loop run by Ray Train at 0.905 of torchrun with both sides' ranks "
+        "under SCHED_BATCH, the rest our loop, ~6% more CPU a step measured in one process; 2026-12-04).",
 }
 
 

@@ -196,20 +196,22 @@ def batch_schedule_worker(whole_process: bool) -> str:
     signal check), or with ``whole_process`` every thread of the process, under SCHED_BATCH.
     Returns what it did, in words, for the worker's log and its checkpoints.
 
-    A waking SCHED_BATCH thread does not preempt the thread running on its core (sched(7)); it
-    runs at the next switch, at most a few ms later. Under the default policy the wake-ups of a
-    rank's helper threads (Ray's signal check, ~100 a second; gloo's transport threads, ~1,000 a
-    second each) land on cores where the ranks compute, and DDP's ranks move in lockstep, so a
-    stalled rank stalls them all. Measured with 2 gloo ranks on 2 cores, side by side in turns:
-    our loop at 0.87-0.90 of torchrun's samples/s as torchrun runs by default, 1.13 with every
-    thread of our ranks under SCHED_BATCH, 0.90 with Ray's main thread alone (gloo's threads,
-    started before the loop runs, kept the default). On a GPU the training thread launches
-    kernels and should wake at once: only the main thread moves there (``whole_process`` False).
-    Threads and processes started later (loader workers, checkpoint uploads) inherit the policy
-    of the thread that starts them.
+    A waking SCHED_BATCH thread does not preempt the thread running on its core (the kernel's
+    wake-up preemption check passes over any policy but SCHED_NORMAL; sched(7) calls it "mildly
+    disfavored"); it runs at the next switch, at most a few ms later. Under the default policy the
+    wake-ups of a rank's helper threads (Ray's signal check, ~130 a second; each of gloo's transport
+    threads ~900-1,300, counted in /proc's voluntary context switches during training) land on
+    cores where the ranks compute, and DDP's ranks move in lockstep, so a stalled rank stalls
+    them all. Measured with 2 gloo ranks on 2 cores, side by side in turns: our loop at 0.87-0.90
+    of torchrun's samples/s as torchrun runs by default, 1.13 with every thread of our ranks under
+    SCHED_BATCH, 0.90 with Ray's main thread alone (gloo's threads, started before the loop runs,
+    kept the default). On a GPU the training thread launches kernels and should wake at once:
+    only the main thread moves there (``whole_process`` False). Threads and processes started
+    later (loader workers, a user factory's own, checkpoint uploads) inherit the policy of the
+    thread that starts them.
 
-    Moving to SCHED_BATCH needs no privilege; a refusal (a sandbox's seccomp) leaves everything
-    as it was, and training goes on.
+    Moving to SCHED_BATCH needs no privilege; a refusal (a sandbox's seccomp, no /proc) leaves
+    every thread as it was, and training goes on.
     """
     import threading
 
@@ -217,21 +219,22 @@ def batch_schedule_worker(whole_process: bool) -> str:
         return "default scheduling (SCHED_BATCH is Linux's)"
     if threading.current_thread() is threading.main_thread():
         return "default scheduling (the training function runs on Ray's main thread)"
-    # Linux: a thread id names one thread; the main thread's is the process id.
-    threads = sorted(int(t) for t in os.listdir("/proc/self/task")) if whole_process else [os.getpid()]
-    moved: list[tuple[int, int]] = []
-    for tid in threads:
-        try:
-            policy = os.sched_getscheduler(tid)
-            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
-        except ProcessLookupError:  # a thread that ended since the listing
-            continue
-        except OSError as exc:
-            for done, was in moved:  # all or nothing: some threads at each policy would be neither measured setting
-                with contextlib.suppress(OSError):
-                    os.sched_setscheduler(done, was, os.sched_param(0))
-            return f"default scheduling (SCHED_BATCH refused: {exc.strerror})"
-        moved.append((tid, policy))
+    moved: list[tuple[int, int, os.sched_param]] = []
+    try:
+        # Linux: a thread id names one thread; the main thread's is the process id.
+        threads = sorted(int(t) for t in os.listdir("/proc/self/task")) if whole_process else [os.getpid()]
+        for tid in threads:
+            try:
+                was = (tid, os.sched_getscheduler(tid), os.sched_getparam(tid))
+                os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+            except ProcessLookupError:  # a thread that ended since the listing
+                continue
+            moved.append(was)
+    except OSError as exc:
+        for tid, policy, param in moved:  # all or nothing: a mix would be neither setting measured
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(tid, policy, param)
+        return f"default scheduling (SCHED_BATCH refused: {exc.strerror or exc})"
     return "SCHED_BATCH, every thread" if whole_process else "SCHED_BATCH, Ray's main thread"
 
 

@@ -140,6 +140,7 @@ def test_a_side_that_fails_stops_the_pair_at_once_and_leaves_nothing_running(tmp
     assert [pid for pid in left if start_time(pid) is not None] == [], "the sleeper and its child are gone"
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_BATCH"), reason="scheduling policies are Linux's")
 def test_the_equal_scheduling_side_runs_its_whole_tree_under_batch_scheduling_and_its_figures_are_collected(
         monkeypatch, tmp_path):
     """The bench's third side (torchrun under SCHED_BATCH): every process it starts inherits the policy."""

@@ -421,6 +421,7 @@ def test_ray_train_runs_the_training_function_in_a_thread_beside_rays_main_loop(
     assert "run_task_loop" in inspect.getsource(Worker.main_loop)
 
 
+LINUX_ONLY = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="scheduling policies are Linux's")
 POLICIES_SCRIPT = """
 import json, os, sys, threading
 from cluster.ray_adapter import batch_schedule_worker
@@ -442,6 +443,7 @@ print(json.dumps(said))
 """
 
 
+@LINUX_ONLY
 @pytest.mark.parametrize("how", ["all", "main-thread", "main"])
 def test_batch_scheduling_moves_every_thread_on_cpu_and_rays_main_thread_only_on_gpu(how):
     """In a process of its own (the policy of a thread sticks): a helper started before the call and a
@@ -465,24 +467,48 @@ def test_batch_scheduling_moves_every_thread_on_cpu_and_rays_main_thread_only_on
         assert (said["main"], said["helper"], said["later"]) == (other, other, other)
 
 
-def test_a_refused_batch_policy_leaves_every_thread_as_it_was(monkeypatch):
-    """A sandbox that refuses the call part way: the threads already moved go back, and the text says why."""
+@LINUX_ONLY
+@pytest.mark.parametrize("refusal", ["part way", "no /proc"])
+def test_a_refused_batch_policy_leaves_every_thread_as_it_was(monkeypatch, refusal):
+    """A sandbox that refuses the call part way, or has no /proc: the threads already moved go back to
+    their own policy and priority, and the text says why. Only the OS calls are faked."""
     import errno
     import threading
 
-    policies: dict[int, int] = {}
+    policies = {11: (os.SCHED_IDLE, 0), 12: (os.SCHED_OTHER, 0), 13: (os.SCHED_OTHER, 0)}
+    refused_at = 13
 
     def setscheduler(tid, policy, param):
-        if len(policies) == 2 and tid not in policies:
+        if tid == refused_at:
             raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
-        policies[tid] = policy
+        policies[tid] = (policy, param.sched_priority)
 
-    monkeypatch.setattr(os, "sched_getscheduler", lambda tid: policies.get(tid, os.SCHED_OTHER))
+    def listdir(path):
+        if refusal == "no /proc":
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        return ["12", "11", "13"]
+
+    monkeypatch.setattr(os, "sched_getscheduler", lambda tid: policies[tid][0])
+    monkeypatch.setattr(os, "sched_getparam", lambda tid: os.sched_param(policies[tid][1]))
     monkeypatch.setattr(os, "sched_setscheduler", setscheduler)
-    monkeypatch.setattr(os, "listdir", lambda path: ["11", "12", "13"] if path == "/proc/self/task" else [])
+    monkeypatch.setattr(os, "listdir", listdir)
     said = {}
     worker = threading.Thread(target=lambda: said.update(text=ray_adapter.batch_schedule_worker(whole_process=True)))
     worker.start()
     worker.join()
-    assert said["text"] == "default scheduling (SCHED_BATCH refused: Operation not permitted)"
-    assert policies == {11: os.SCHED_OTHER, 12: os.SCHED_OTHER}
+    why = "Operation not permitted" if refusal == "part way" else "No such file or directory"
+    assert said["text"] == f"default scheduling (SCHED_BATCH refused: {why})"
+    assert policies == {11: (os.SCHED_IDLE, 0), 12: (os.SCHED_OTHER, 0), 13: (os.SCHED_OTHER, 0)}
+
+
+def test_without_scheduling_policies_a_laptop_trains_as_before(monkeypatch):
+    """macOS and Windows have no SCHED_BATCH: nothing is called, and the text says why."""
+    import threading
+
+    monkeypatch.delattr(os, "SCHED_BATCH", raising=False)
+    monkeypatch.setattr(os, "sched_setscheduler", lambda *a: pytest.fail("no policy to set"), raising=False)
+    said = {}
+    worker = threading.Thread(target=lambda: said.update(text=ray_adapter.batch_schedule_worker(whole_process=True)))
+    worker.start()
+    worker.join()
+    assert said["text"] == "default scheduling (SCHED_BATCH is Linux's)"
