@@ -164,3 +164,36 @@ def test_the_equal_scheduling_side_runs_its_whole_tree_under_batch_scheduling_an
     assert not failure
     assert figures == {"plain ddp samples/s under batch scheduling": 61522.0,
                        "throughput ratio at equal scheduling (plain under batch scheduling too)": 0.854}
+
+
+def test_a_script_past_its_time_is_stopped_with_what_it_started_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A sweep whose trials waited forever once took `make bench` and every figure measured before it
+    down with it: now the script and its children (its own Ray, here a sleeping child) are stopped."""
+    import os
+    import time
+
+    run_all = load("run_all")
+    monkeypatch.setattr(run_all, "REPO", tmp_path.parent)
+    (tmp_path.parent / "bench").mkdir(exist_ok=True)
+    pid_file = tmp_path / "child.pid"
+    (tmp_path.parent / "bench" / "fake_hang.py").write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "print('half a figure: 1', flush=True)\n"
+        "time.sleep(600)\n")
+    figures, failure, took = run_all.run("fake_hang.py", [], timeout_s=3)
+    assert figures == {} and failure.startswith("fake_hang.py failed (timed out after 3 s)"), failure
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{child}/stat") as stat:
+            if stat.read().split(") ")[1].startswith("Z"):
+                break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the script's child still runs")
