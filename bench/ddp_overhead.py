@@ -91,7 +91,8 @@ def batch_scheduling_allowed() -> bool:
         return False
     import subprocess
 
-    probe = subprocess.run([PY, "-c", BATCH_EXEC, PY, "-c", "pass"], capture_output=True, timeout=60)
+    argv, _ = under_batch_scheduling(([PY, "-c", "pass"], {}))
+    probe = subprocess.run(argv, capture_output=True, timeout=60)
     return probe.returncode == 0
 
 

@@ -103,9 +103,11 @@ def run(script: str, args: list[str], timeout_s: float = SCRIPT_TIMEOUT_S) -> tu
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, str(REPO / "bench" / script), *args], stdout=out, stderr=err,
                                 text=True, cwd=REPO)
+        timed_out = False
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            timed_out = True
             kill_tree(proc)
         out.seek(0)
         err.seek(0)
@@ -114,7 +116,7 @@ def run(script: str, args: list[str], timeout_s: float = SCRIPT_TIMEOUT_S) -> tu
     if proc.returncode != 0:
         lines = [line for line in stderr.splitlines() if line.strip(" =-*")]  # no banner rules
         print("\n".join(f"[bench]   | {line}" for line in lines[-20:]), file=sys.stderr)
-        why = f"timed out after {timeout_s:.0f} s" if took >= timeout_s else f"exit {proc.returncode}"
+        why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exit {proc.returncode}"
         return {}, f"{script} failed ({why}): {lines[-1].strip() if lines else 'no output'}", took
     figures = {}
     for line in stdout.splitlines():
