@@ -42,6 +42,9 @@
   thread in its task-execution loop, which wakes every 10 ms to check for signals
   (``CoreWorker::RunTaskExecutionLoop``, "CoreWorker.CheckSignal"), and Ray Train v2 runs the
   training function in a thread of its own (``ThreadRunner``): :func:`batch_schedule_worker`.
+- The run's storage filesystem (``get_context().get_storage()``, a DeveloperAPI): checkpoints are
+  written in place and reported without an upload, which Ray accepts only on that filesystem
+  and under the run's folder (:func:`run_storage_filesystem`).
 
 It lives in cluster/, the lowest layer, so trainers/ and cluster/ share it; nothing else in
 the project may import ``ray._private``, ``ray._raylet``, ``ray.experimental.internal_kv``
@@ -631,3 +634,12 @@ def first_then(first: Callable, later: Callable) -> Callable:
 
     handler.graceful_stop = getattr(first, "graceful_stop", False)  # a retry's fit chains it again
     return handler
+
+
+def run_storage_filesystem():
+    """The filesystem Ray Train holds for this run's storage. A checkpoint reported in place (no
+    upload by Ray) must be on it: Ray compares the filesystem objects, not just the paths.
+    ``get_storage()`` is a DeveloperAPI that Ray may change between minor versions."""
+    import ray.train
+
+    return ray.train.get_context().get_storage().storage_filesystem

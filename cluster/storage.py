@@ -101,18 +101,7 @@ class StorageRoot:
             return f.read()
 
     def write_bytes(self, data: bytes, *parts: str) -> None:
-        """Write whole: locally via a temporary name and a rename, on S3 one PUT (atomic there; S3
-        has no folders, and creating their marker objects would cost requests at every write)."""
-        target = self.path(*parts)
-        if isinstance(self.fs, pafs.LocalFileSystem):
-            self.fs.create_dir(posixpath.dirname(target), recursive=True)
-            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-            with self.fs.open_output_stream(tmp) as f:
-                f.write(data)
-            self.fs.move(tmp, target)
-        else:
-            with self.fs.open_output_stream(target) as f:
-                f.write(data)
+        write_whole(self.fs, self.path(*parts), data)
 
     def write_json(self, obj: object, *parts: str) -> None:
         self.write_bytes(json.dumps(obj, indent=2, sort_keys=True).encode(), *parts)
@@ -126,6 +115,20 @@ class StorageRoot:
             return []
         infos = self.fs.get_file_info(pafs.FileSelector(self.path(*parts), recursive=False))
         return sorted(posixpath.basename(i.path) for i in infos if i.type == pafs.FileType.Directory)
+
+
+def write_whole(fs: pafs.FileSystem, target: str, data: bytes) -> None:
+    """Write a file whole: locally via a temporary name and a rename, on S3 one PUT (atomic there;
+    S3 has no folders, and creating their marker objects would cost requests at every write)."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        fs.create_dir(posixpath.dirname(target), recursive=True)
+        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+        with fs.open_output_stream(tmp) as f:
+            f.write(data)
+        fs.move(tmp, target)
+    else:
+        with fs.open_output_stream(target) as f:
+            f.write(data)
 
 
 def open_root(uri: str) -> StorageRoot:

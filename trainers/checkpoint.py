@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import posixpath
 import re
 import time
@@ -33,30 +32,42 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+class _Hashing:
+    """A write-only stream that hashes and counts what passes through it to ``out``."""
+
+    def __init__(self, out):
+        self.out, self.hash, self.size = out, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.hash.update(data)
+        self.size += len(data)
+        return self.out.write(data)
+
+    def flush(self) -> None:
+        """torch.save flushes; the storage stream uploads when it is closed."""
 
 
-def write_local(directory: str, state: dict, file_name: str, metrics: dict | None = None) -> None:
-    """Write the state, then the manifest that vouches for it (last, so it means 'complete')."""
+def write(fs: pafs.FileSystem, path: str, state: dict, file_name: str, metrics: dict | None = None) -> dict:
+    """Write a checkpoint folder straight to its place in storage and return its manifest.
+
+    The state streams to storage as torch serialises it, hashed on the way (no local copy, no
+    second read); the manifest that vouches for it goes last, whole, so its presence means
+    'complete'. On S3 that is two PUTs and no folder markers.
+    """
     import torch  # here, not at the top: drivers list and verify checkpoints without torch
 
-    torch.save(state, os.path.join(directory, file_name))
-    files = {}
-    for name in sorted(os.listdir(directory)):
-        full = os.path.join(directory, name)
-        if name != MANIFEST and os.path.isfile(full):
-            files[name] = {"size": os.path.getsize(full), "sha256": _sha256(full)}
+    from cluster.storage import write_whole
+
+    if isinstance(fs, pafs.LocalFileSystem):
+        fs.create_dir(path, recursive=True)
+    with fs.open_output_stream(posixpath.join(path, file_name)) as out:
+        hashing = _Hashing(out)
+        torch.save(state, hashing)
     manifest = {"format": FORMAT_VERSION, "step": state["step"], "state_file": file_name,
-                "files": files, "created_at": time.time(), "metrics": metrics or {}}
-    tmp = os.path.join(directory, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2)
-    os.replace(tmp, os.path.join(directory, MANIFEST))
+                "files": {file_name: {"size": hashing.size, "sha256": hashing.hash.hexdigest()}},
+                "created_at": time.time(), "metrics": metrics or {}}
+    write_whole(fs, posixpath.join(path, MANIFEST), json.dumps(manifest, indent=2).encode())
+    return manifest
 
 
 def verify(fs: pafs.FileSystem, path: str) -> tuple[dict | None, str | None]:
@@ -186,8 +197,9 @@ class RetentionReadError(Exception):
 def retention_entry(fs: pafs.FileSystem, path: str, step: int, metric: str | None) -> Kept:
     """What retention may know of one checkpoint folder, or RetentionReadError.
 
-    Complete means a manifest and every file it lists at its size: Ray uploads a folder file
-    by file, so a manifest can land before the state file it vouches for. Only a missing (or
+    Complete means a manifest and every file it lists at its size: a folder copied file by file
+    (by an older version of this code through Ray's upload, or by hand) can show its manifest
+    before the state file it vouches for. Only a missing (or
     garbled) manifest means incomplete; any other error says nothing about the checkpoint.
     """
     try:
@@ -201,8 +213,13 @@ def retention_entry(fs: pafs.FileSystem, path: str, step: int, metric: str | Non
         raise RetentionReadError(f"{path}: {exc}") from exc
     if any(sizes.get(name) != meta["size"] for name, meta in manifest.get("files", {}).items()):
         return Kept(step, None, False)
+    return kept(manifest, metric)
+
+
+def kept(manifest: dict, metric: str | None) -> Kept:
+    """What retention knows of a complete checkpoint from its manifest."""
     value = manifest.get("metrics", {}).get(metric) if metric else None
-    return Kept(step, float(value) if value is not None else None, True)
+    return Kept(manifest["step"], float(value) if value is not None else None, True)
 
 
 def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: str | None,

@@ -2,11 +2,19 @@
 
 At a checkpoint step every rank copies what it must (rank 0: the full state, to CPU memory,
 pinned when it lives on a GPU) and goes back to training. A background thread per rank then
-writes the files (rank 0), calls ``ray.train.report`` once they are complete (a barrier on
-every rank, paid off the step path; Ray's upload thread moves the bytes), prunes old
-checkpoints, beats the heartbeat and flushes the metrics history. One thread per rank keeps
+streams the files straight to their place in storage (rank 0: no local copy for Ray to read
+back, upload and delete), calls ``ray.train.report`` once they are complete (a barrier on
+every rank, paid off the step path; Ray only records the checkpoint), prunes old checkpoints,
+beats the heartbeat and flushes the metrics history. One thread per rank keeps
 Ray's collectives in the same order on every rank; while it is busy, an interval checkpoint
 is left to the next interval step rather than stall training.
+
+That thread yields the CPU to training (Linux's SCHED_IDLE, :class:`Yielding`): DDP ranks move
+in lockstep, and a rank's thread woken by a collective waited behind the checkpoint thread's
+slice (under SCHED_BATCH, which CPU ranks run at, a waking thread does not preempt), so every
+step of the interval slowed down, not just the checkpoint's. An idle-class thread is preempted
+at once and runs in the time the ranks wait for each other. The moment the training thread has
+to wait for it (a just-in-time checkpoint drains it; the end of a run), it gets its policy back.
 
 A just-in-time checkpoint (a spot notice) is synchronous: it drains the thread, writes and
 uploads before the node goes, on the training thread.
@@ -15,9 +23,11 @@ uploads before the node goes, on the training thread.
 from __future__ import annotations
 
 import contextlib
-import shutil
+import functools
+import os
+import posixpath
 import sys
-import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -90,6 +100,59 @@ def short_gil_slices(interval_s: float = 0.0005):
         sys.setswitchinterval(previous)
 
 
+@functools.cache
+def idle_is_reversible() -> bool:
+    """Whether a thread of this process may go to SCHED_IDLE and come back (Linux; root,
+    CAP_SYS_NICE, or an RLIMIT_NICE of 20: sched(7) treats leaving SCHED_IDLE as lowering nice
+    from 20). Where it may not, a thread that training must wait for could not be hurried."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    said: list[bool] = []
+
+    def probe() -> None:  # on a thread of its own: nothing else is touched if the way back fails
+        policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, policy, param)
+            said.append(True)
+        except OSError:
+            said.append(False)
+
+    thread = threading.Thread(target=probe, name="etrain-idle-probe")
+    thread.start()
+    thread.join()
+    return said[0]
+
+
+class Yielding:
+    """One thread's scheduling: SCHED_IDLE while it works in the background, its own policy the
+    moment someone waits for it. A thread it starts inherits its policy at that moment, so it
+    yields only from its second piece of work on: the threads the first one starts (Ray's
+    report thread, pyarrow's I/O threads, which the data loader shares) keep the normal policy."""
+
+    def __init__(self, tid: int):
+        self.tid = tid
+        self.enabled = idle_is_reversible()
+        self.own = (os.sched_getscheduler(tid), os.sched_getparam(tid)) if self.enabled else None
+        self.started = 0
+
+    def before_work(self) -> None:
+        self.started += 1
+        if self.enabled and self.started > 1:
+            self._set(os.SCHED_IDLE, os.sched_param(0))
+
+    def hurry(self) -> None:
+        if self.enabled:
+            self._set(*self.own)
+
+    def _set(self, policy: int, param) -> None:
+        try:
+            os.sched_setscheduler(self.tid, policy, param)
+        except OSError as exc:  # the thread is gone, or a sandbox said no: never worth a failed step
+            self.enabled = False
+            worker_log().debug("checkpoint thread keeps its scheduling: %s", exc)
+
+
 @dataclass
 class Timing:
     """What the last checkpoint cost: on the training thread, and in the background."""
@@ -102,16 +165,17 @@ class Checkpointer:
     """Owns cadence, the background write/report, JIT checkpoints and retention."""
 
     def __init__(self, spec, root, run_path: str, rank: int, world: int, device: torch.device,
-                 staging: str | None, after_report: Callable[[int, bool], None]):
+                 after_report: Callable[[int, bool], None]):
         """``after_report(step, jit)``: run after each report (the heartbeat), on the reporting thread."""
         c = spec.checkpoint
         self.interval_steps, self.min_gap_s, self.background = c.interval, c.min_interval_s, c.upload == "async"
         self.spec, self.root, self.run_path = spec, root, run_path
-        self.rank, self.world, self.device, self.staging = rank, world, device, staging
+        self.rank, self.world, self.device = rank, world, device
         self.after_report = after_report
         self.last_at = float("-inf")
         self.timing = Timing()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="etrain-checkpoint")
+        self._yielding = Yielding(self._pool.submit(threading.get_native_id).result())
         self._pending: Future | None = None
         self._retention_known: dict[str, ckpt.Kept] = {}  # complete checkpoints retention has read
 
@@ -148,12 +212,15 @@ class Checkpointer:
             self._write_and_report(done, snapshot, dict(metrics), kind is Kind.JIT, then)
             self.timing.blocked_s += time.perf_counter() - sync_at
         else:
+            self._yielding.before_work()
             self._pending = self._pool.submit(self._in_background, done, snapshot, dict(metrics), then)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Until the checkpoint in flight is reported; its error (or TimeoutError), if any, is raised here."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            if not pending.done():
+                self._yielding.hurry()  # training waits for it now: no longer only the idle time
             pending.result(timeout=timeout_s)
 
     def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
@@ -181,23 +248,35 @@ class Checkpointer:
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
-        checkpoint, directory = None, None
+        from cluster.ray_adapter import run_storage_filesystem
+
+        checkpoint = None
         if state is not None:
-            directory = tempfile.mkdtemp(prefix=f"ckpt-{done}-", dir=self.staging)
-            ckpt.write_local(directory, state, self.spec.checkpoint.file_name(done), metrics)
-            checkpoint = Checkpoint.from_directory(directory)
-        # In the background, Ray's own upload thread takes it from here (and deletes the folder once
-        # uploaded); Ray registers one report per controller poll, so uploads queue there, in order.
-        mode = CheckpointUploadMode.ASYNC if self.background and not jit else CheckpointUploadMode.SYNC
-        try:
+            # Written through the run's own filesystem (the driver's, as Ray's upload used): the one
+            # Ray records the checkpoint on, with the endpoint and credentials the job was started with.
+            fs, path = run_storage_filesystem(), posixpath.join(self.run_path, ckpt.dir_name(done))
+            manifest = ckpt.write(fs, path, state, self.spec.checkpoint.file_name(done), metrics)
+            self._retention_known[path] = ckpt.kept(manifest, self.spec.checkpoint.keep_best_metric)
+            checkpoint = Checkpoint(path, filesystem=fs)
+        # The files are complete where Ray keeps its checkpoints: Ray only records them. In the
+        # background its thread queues the record for the controller's next poll and this thread
+        # goes on; a just-in-time or sync checkpoint waits until the controller has it.
+        if self.background and not jit:
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
-                             checkpoint_upload_mode=mode, delete_local_checkpoint_after_upload=True)
-        finally:
-            if directory is not None and mode == CheckpointUploadMode.SYNC:
-                shutil.rmtree(directory, ignore_errors=True)  # a failed upload leaves no copy either
+                             checkpoint_upload_mode=CheckpointUploadMode.ASYNC, checkpoint_upload_fn=already_there,
+                             delete_local_checkpoint_after_upload=False)  # Ray's default for ASYNC: delete it
+        else:
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
+                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         if self.rank == 0:
             c = self.spec.checkpoint
             ckpt.prune(self.root.fs, self.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode,
                        known=self._retention_known)
         self.after_report(done, jit)
         then()
+
+
+def already_there(checkpoint, dir_name: str):
+    """Ray's upload step for a checkpoint written in place: nothing to move."""
+    return checkpoint
+

@@ -322,7 +322,7 @@ class Trainer:
             self.observer.interruptions(known)
 
         after_report = self.pulse.checkpointed if self.pulse else (lambda step, jit: None)
-        self.checkpointer = Checkpointer(spec, self.root, self.run_path, rank, self.world, self.device, staging, after_report)
+        self.checkpointer = Checkpointer(spec, self.root, self.run_path, rank, self.world, self.device, after_report)
 
     # -------------------------------------------------------------- the loop
 
@@ -579,9 +579,9 @@ def ray_preemption_noticed() -> bool:
 
 
 def staging_folder(job_key: str) -> str:
-    """Rank 0's local folder for this job on this node: checkpoint copies before upload, TensorBoard
-    files. Emptied when an attempt starts, so an attempt killed with its processes (a lost node,
-    a restart) leaves nothing behind the next one; the copies of a running one go as they upload."""
+    """Rank 0's local folder for this job on this node: TensorBoard files before upload (checkpoints
+    go straight to storage). Emptied when an attempt starts, so an attempt killed with its
+    processes (a lost node, a restart) leaves nothing behind the next one."""
     path = os.path.join(tempfile.gettempdir(), job_key.replace("/", "-"))
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)

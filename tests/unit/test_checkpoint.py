@@ -16,7 +16,7 @@ from trainers.checkpoint import Candidate, choose_restore
 def make(run: str, step: int) -> str:
     d = os.path.join(run, ckpt.dir_name(step))
     os.makedirs(d)
-    ckpt.write_local(d, {"step": step, "w": torch.arange(1000.0) * step}, f"model_{step}.pt")
+    ckpt.write(pafs.LocalFileSystem(), d, {"step": step, "w": torch.arange(1000.0) * step}, f"model_{step}.pt")
     return d
 
 
@@ -109,7 +109,7 @@ def test_prune_keeps_newest_and_best(tmp_path):
     for step, loss in [(10, 0.3), (20, 0.1), (30, 0.4), (40, 0.5)]:
         d = os.path.join(run, ckpt.dir_name(step))
         os.makedirs(d)
-        ckpt.write_local(d, {"step": step}, f"model_{step}.pt", {"loss": loss})
+        ckpt.write(pafs.LocalFileSystem(), d, {"step": step}, f"model_{step}.pt", {"loss": loss})
     os.makedirs(os.path.join(run, ckpt.dir_name(25)))  # a writer killed before its manifest
     assert ckpt.prune(pafs.LocalFileSystem(), run, 2, "loss", "min") == [10, 25]
     assert sorted(os.listdir(run)) == [ckpt.dir_name(s) for s in (20, 30, 40)]
@@ -127,7 +127,7 @@ def test_a_throttled_manifest_read_during_prune_deletes_nothing(s3_server, tmp_p
     for step, loss in [(10, 0.1), (20, 0.3), (30, 0.4), (40, 0.5)]:
         local = str(tmp_path / str(step))
         os.makedirs(local)
-        ckpt.write_local(local, {"step": step}, f"model_{step}.pt", {"loss": loss})
+        ckpt.write(pafs.LocalFileSystem(), local, {"step": step}, f"model_{step}.pt", {"loss": loss})
         pafs.copy_files(local, f"{run}/{ckpt.dir_name(step)}", destination_filesystem=direct)
     best_manifest = f"/{run}/{ckpt.dir_name(10)}/{ckpt.MANIFEST}"
     proxy = FaultyProxy(s3_server, lambda method, path: path == best_manifest, times=20)
@@ -172,7 +172,7 @@ def test_prune_reads_a_complete_checkpoint_once_across_rounds(tmp_path, monkeypa
     os.remove(os.path.join(uploading, "model_20.pt"))  # not complete yet: read again next round
     assert ckpt.prune(pafs.LocalFileSystem(), run, 1, None, "min", known=known) == []
     assert sorted(reads) == [10, 20]
-    ckpt.write_local(uploading, {"step": 20}, "model_20.pt")  # its upload finished
+    ckpt.write(pafs.LocalFileSystem(), uploading, {"step": 20}, "model_20.pt")  # its upload finished
     make(run, 30)
     reads.clear()
     assert ckpt.prune(pafs.LocalFileSystem(), run, 1, None, "min", known=known) == [10, 20]
@@ -182,3 +182,37 @@ def test_prune_reads_a_complete_checkpoint_once_across_rounds(tmp_path, monkeypa
     assert ckpt.prune(pafs.LocalFileSystem(), run, 1, None, "min", known=known) == [30]
     assert reads == [40]
     assert sorted(known) == [os.path.join(run, ckpt.dir_name(40))]  # deleted ones are forgotten
+
+
+def test_a_checkpoint_streams_to_s3_as_two_objects_and_a_failed_state_upload_leaves_no_manifest(s3_server):
+    """The state goes straight to the bucket (no local copy, no folder markers), then the manifest
+    that vouches for it; when the state's upload fails, no manifest is written, so the folder
+    can never be restored or counted complete."""
+    import boto3
+    from faulty_proxy import FaultyProxy
+
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="stream")
+    direct = pafs.S3FileSystem(endpoint_override=s3_server.removeprefix("http://"), scheme="http",
+                               allow_delayed_open=True)  # as cluster.storage opens it: a small file is one PUT
+    path = f"stream/job/checkpoints/{ckpt.dir_name(10)}"
+    state = {"step": 10, "w": torch.arange(100_000.0)}
+    manifest = ckpt.write(direct, path, state, "model_10.pt", {"loss": 0.5})
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="stream")["Contents"])
+    assert keys == [f"job/checkpoints/{ckpt.dir_name(10)}/{name}" for name in (ckpt.MANIFEST, "model_10.pt")]
+    verified, problem = ckpt.verify(direct, path)
+    assert problem is None and verified["files"] == manifest["files"]
+    assert ckpt.kept(manifest, "loss") == ckpt.Kept(10, 0.5, True)
+    assert torch.equal(ckpt.load_state(direct, path)["w"], state["w"])
+
+    failing = f"stream/job/checkpoints/{ckpt.dir_name(20)}"
+    proxy = FaultyProxy(s3_server, lambda method, p: method == "PUT" and p.endswith("model_20.pt"), times=50)
+    try:
+        through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http",
+                                          allow_delayed_open=True)
+        with pytest.raises(OSError):
+            ckpt.write(through_proxy, failing, {"step": 20}, "model_20.pt")
+    finally:
+        proxy.close()
+    assert proxy.failed
+    assert ckpt.verify(direct, failing) == (None, "no manifest.json (the checkpoint was never completed)")

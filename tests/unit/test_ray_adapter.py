@@ -512,3 +512,24 @@ def test_without_scheduling_policies_a_laptop_trains_as_before(monkeypatch):
     worker.start()
     worker.join()
     assert said["text"] == "default scheduling (SCHED_BATCH is Linux's)"
+
+
+def test_a_checkpoint_written_in_place_is_one_ray_takes_without_an_upload(tmp_path):
+    """trainers/checkpointer.py writes checkpoints straight into the run folder and reports them
+    without an upload (and with ``delete_local_checkpoint_after_upload=False``, since Ray's ASYNC
+    default would delete them): Ray accepts that only on the storage context's own filesystem
+    object, under the run's folder, which ``run_storage_filesystem`` hands out."""
+    import pyarrow.fs as pafs
+    from ray.train import Checkpoint, CheckpointUploadMode
+    from ray.train.v2._internal.execution.context import is_managed_checkpoint
+    from ray.train.v2._internal.execution.storage import StorageContext
+    from ray.train.v2.api.context import DistributedTrainContext
+
+    storage = StorageContext(storage_path=str(tmp_path), experiment_dir_name="job/checkpoints",
+                             storage_filesystem=pafs.LocalFileSystem())
+    inside = f"{storage.experiment_fs_path}/checkpoint_000000100"
+    assert is_managed_checkpoint(storage, Checkpoint(inside, filesystem=storage.storage_filesystem))
+    assert not is_managed_checkpoint(storage, Checkpoint(str(tmp_path / "elsewhere"), filesystem=storage.storage_filesystem))
+    assert "get_storage()" in inspect.getsource(DistributedTrainContext.get_storage)
+    assert "storage_filesystem" in inspect.getsource(ray_adapter.run_storage_filesystem)
+    assert CheckpointUploadMode.ASYNC.default_delete_local_checkpoint_after_upload() is True

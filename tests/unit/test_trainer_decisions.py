@@ -138,7 +138,7 @@ def settling_checkpointer(work):
     from trainers.checkpointer import Checkpointer
 
     spec = validate({"name": "settle", "checkpoint": {"interval": 5}})
-    c = Checkpointer(spec, None, "run", 0, 1, torch.device("cpu"), None, lambda step, jit: None)
+    c = Checkpointer(spec, None, "run", 0, 1, torch.device("cpu"), lambda step, jit: None)
     c._pending = c._pool.submit(work)
     return c
 
@@ -173,3 +173,93 @@ def test_settling_logs_a_failed_or_stuck_checkpoint_and_does_not_hang(caplog):
     assert "did not finish: TimeoutError" in caplog.text
     release.set()
     c.close()
+
+
+def yielding_checkpointer(monkeypatch, work):
+    """A rank-0 Checkpointer whose background work is ``work(done)``, on its own thread."""
+    from trainers.checkpointer import Checkpointer
+
+    c = Checkpointer(validate({"name": "yield", "checkpoint": {"interval": 5}}), None, "run", 0, 1,
+                     torch.device("cpu"), lambda step, jit: None)
+    monkeypatch.setattr(c, "_in_background", lambda done, state, metrics, then: work(done))
+    return c
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
+def test_the_checkpoint_thread_yields_from_its_second_checkpoint_and_gets_its_policy_back_when_waited_for(monkeypatch):
+    """The first checkpoint runs at the thread's own policy (the threads it starts inherit that);
+    later ones at SCHED_IDLE; a training thread that must wait for one hurries it first."""
+    import concurrent.futures
+    import os
+    import threading
+
+    from trainers.checkpointer import idle_is_reversible
+
+    if not idle_is_reversible():
+        pytest.skip("this machine does not let a thread leave SCHED_IDLE: the refusal test covers it")
+    seen, started, release = [], threading.Event(), threading.Event()
+
+    def work(done):
+        seen.append(os.sched_getscheduler(0))
+        if done == 3:
+            started.set()
+            release.wait(10)
+            seen.append(os.sched_getscheduler(0))
+
+    own = os.sched_getscheduler(0)  # the pool's thread was started by this one: it inherited this
+    c = yielding_checkpointer(monkeypatch, work)
+    for done in (1, 2):
+        c.save(done, Kind.INTERVAL, None, {})
+        concurrent.futures.wait([c._pending])  # done before anyone waits: no hurry
+        c.wait()
+    c.save(3, Kind.INTERVAL, None, {})
+    assert started.wait(10)
+    threading.Timer(0.3, release.set).start()
+    c.wait()  # the training thread waits: the thread gets its own policy back
+    c.close()
+    assert seen == [own, os.SCHED_IDLE, os.SCHED_IDLE, own]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
+def test_where_a_thread_could_not_leave_sched_idle_the_checkpoint_thread_never_enters_it(monkeypatch, caplog):
+    """Unprivileged with the usual RLIMIT_NICE of 0, Linux refuses the way back from SCHED_IDLE:
+    the probe says so, and no checkpoint thread is put where training could not hurry it."""
+    import os
+
+    from trainers import checkpointer
+
+    real = os.sched_setscheduler
+
+    def no_way_back(pid, policy, param):
+        if policy != os.SCHED_IDLE:
+            raise PermissionError(1, "Operation not permitted")
+        return real(pid, policy, param)
+
+    monkeypatch.setattr(os, "sched_setscheduler", no_way_back)
+    assert checkpointer.idle_is_reversible.__wrapped__() is False
+    monkeypatch.setattr(os, "sched_setscheduler", real)
+    monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: False)
+    seen = []
+    c = yielding_checkpointer(monkeypatch, lambda done: seen.append(os.sched_getscheduler(0)))
+    for done in (1, 2, 3):
+        c.save(done, Kind.INTERVAL, None, {})
+        c.wait()
+    c.close()
+    assert seen == [os.sched_getscheduler(0)] * 3
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
+def test_a_refused_policy_change_turns_yielding_off_and_training_goes_on(monkeypatch, caplog):
+    import os
+
+    from trainers import checkpointer
+
+    monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: True)
+    yielding = checkpointer.Yielding(os.getpid())  # a thread that exists, then a sandbox that says no
+    monkeypatch.setattr(os, "sched_setscheduler", lambda *a: (_ for _ in ()).throw(PermissionError(1, "seccomp")))
+    with caplog.at_level("DEBUG"):
+        yielding.before_work()
+        yielding.before_work()
+        yielding.hurry()
+    assert yielding.enabled is False
+    assert "checkpoint thread keeps its scheduling: [Errno 1] seccomp" in caplog.text
