@@ -60,13 +60,16 @@ def write(fs: pafs.FileSystem, path: str, state: dict, file_name: str, metrics: 
 
     if isinstance(fs, pafs.LocalFileSystem):
         fs.create_dir(path, recursive=True)
+    manifest_path = posixpath.join(path, MANIFEST)
+    if fs.get_file_info(manifest_path).type != pafs.FileType.NotFound:
+        fs.delete_file(manifest_path)  # a folder written again: its old manifest must not vouch for the new file
     with fs.open_output_stream(posixpath.join(path, file_name)) as out:
         hashing = _Hashing(out)
         torch.save(state, hashing)
     manifest = {"format": FORMAT_VERSION, "step": state["step"], "state_file": file_name,
                 "files": {file_name: {"size": hashing.size, "sha256": hashing.hash.hexdigest()}},
                 "created_at": time.time(), "metrics": metrics or {}}
-    write_whole(fs, posixpath.join(path, MANIFEST), json.dumps(manifest, indent=2).encode())
+    write_whole(fs, manifest_path, json.dumps(manifest, indent=2).encode())
     return manifest
 
 
@@ -213,13 +216,13 @@ def retention_entry(fs: pafs.FileSystem, path: str, step: int, metric: str | Non
         raise RetentionReadError(f"{path}: {exc}") from exc
     if any(sizes.get(name) != meta["size"] for name, meta in manifest.get("files", {}).items()):
         return Kept(step, None, False)
-    return kept(manifest, metric)
+    return kept(manifest, metric, step)
 
 
-def kept(manifest: dict, metric: str | None) -> Kept:
-    """What retention knows of a complete checkpoint from its manifest."""
+def kept(manifest: dict, metric: str | None, step: int) -> Kept:
+    """What retention knows of the complete checkpoint of folder step ``step`` from its manifest."""
     value = manifest.get("metrics", {}).get(metric) if metric else None
-    return Kept(manifest["step"], float(value) if value is not None else None, True)
+    return Kept(step, float(value) if value is not None else None, True)
 
 
 def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: str | None,

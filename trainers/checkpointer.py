@@ -13,11 +13,14 @@ That thread yields the CPU to training (Linux's SCHED_IDLE, :class:`Yielding`): 
 in lockstep, and a rank's thread woken by a collective waited behind the checkpoint thread's
 slice (under SCHED_BATCH, which CPU ranks run at, a waking thread does not preempt), so every
 step of the interval slowed down, not just the checkpoint's. An idle-class thread is preempted
-at once and runs in the time the ranks wait for each other. The moment the training thread has
-to wait for it (a just-in-time checkpoint drains it; the end of a run), it gets its policy back.
+at once and runs in the time the ranks wait for each other. It yields only while it writes,
+reports and beats (work that starts no thread: a thread inherits its creator's policy), and
+gets its policy back the moment training waits for it or finds it still busy at the next
+interval step.
 
-A just-in-time checkpoint (a spot notice) is synchronous: it drains the thread, writes and
-uploads before the node goes, on the training thread.
+A just-in-time checkpoint (a spot notice) is synchronous: it drains the thread (an earlier
+failure there is logged, not raised), then writes and reports before the node goes, on the
+training thread.
 """
 
 from __future__ import annotations
@@ -125,25 +128,51 @@ def idle_is_reversible() -> bool:
 
 
 class Yielding:
-    """One thread's scheduling: SCHED_IDLE while it works in the background, its own policy the
-    moment someone waits for it. A thread it starts inherits its policy at that moment, so it
-    yields only from its second piece of work on: the threads the first one starts (Ray's
-    report thread, pyarrow's I/O threads, which the data loader shares) keep the normal policy."""
+    """The checkpoint thread's scheduling: SCHED_IDLE around the parts of its work that start no
+    thread (a thread inherits its creator's policy, and an idle-class pyarrow I/O thread, which
+    the data loader shares, or TensorBoard writer would stay idle for good), its own policy for
+    the rest, and its own policy the moment training waits for it. Never for its first piece of
+    work: the threads that one starts (Ray's report thread) keep the normal policy."""
 
     def __init__(self, tid: int):
         self.tid = tid
         self.enabled = idle_is_reversible()
         self.own = (os.sched_getscheduler(tid), os.sched_getparam(tid)) if self.enabled else None
         self.started = 0
+        self._hurried = False
+        self._lock = threading.Lock()  # the training thread hurries while the thread yields
 
     def before_work(self) -> None:
-        self.started += 1
-        if self.enabled and self.started > 1:
-            self._set(os.SCHED_IDLE, os.sched_param(0))
+        """On the training thread, before handing the thread a piece of work."""
+        with self._lock:
+            self.started += 1
+            self._hurried = False
+
+    @contextlib.contextmanager
+    def idle(self):
+        """On the checkpoint thread, around work that starts no thread."""
+        with self._lock:
+            yielding = (self.enabled and self.started > 1 and not self._hurried
+                        and threading.get_native_id() == self.tid)  # not a JIT write on the training thread
+            if yielding:
+                self._set(os.SCHED_IDLE, os.sched_param(0))
+        try:
+            yield
+        finally:
+            with self._lock:
+                if yielding and self.enabled and not self._hurried:
+                    self._set(*self.own)
 
     def hurry(self) -> None:
-        if self.enabled:
-            self._set(*self.own)
+        """On the training thread: it waits for the checkpoint thread now, or finds it still busy."""
+        with self._lock:
+            self._hurried = True
+            if self.enabled:
+                self._set(*self.own)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.enabled = False  # the thread id may soon be another thread's
 
     def _set(self, policy: int, param) -> None:
         try:
@@ -176,6 +205,7 @@ class Checkpointer:
         self.timing = Timing()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="etrain-checkpoint")
         self._yielding = Yielding(self._pool.submit(threading.get_native_id).result())
+        self._write_fs = None  # the run's filesystem, writing in the calling thread
         self._pending: Future | None = None
         self._retention_known: dict[str, ckpt.Kept] = {}  # complete checkpoints retention has read
 
@@ -187,6 +217,8 @@ class Checkpointer:
     def _gap_ok(self) -> bool:
         """Rank 0 decides, every rank agrees (one broadcast, at interval steps only)."""
         in_flight = self._pending is not None and not self._pending.done()
+        if in_flight:
+            self._yielding.hurry()  # an interval went by while it yielded: it no longer waits for idle time
         ok = interval_checkpoint_ok(time.monotonic() - self.last_at, self.min_gap_s, in_flight)
         if self.world == 1:
             return ok
@@ -199,7 +231,10 @@ class Checkpointer:
         """Take a checkpoint at step ``done``. ``state`` builds rank 0's state (other ranks: None);
         ``then`` runs after the report, on the same thread (the observer's writes to storage)."""
         started = time.perf_counter()
-        self.wait()
+        if kind is Kind.JIT:
+            self.settle(timeout_s=None)  # an earlier failed upload must not cost the notice its checkpoint
+        else:
+            self.wait()
         waited = time.perf_counter() - started
         snap_at = time.perf_counter()
         snapshot = to_cpu(state(), pin=self.device.type == "cuda") if state is not None else None
@@ -223,20 +258,22 @@ class Checkpointer:
                 self._yielding.hurry()  # training waits for it now: no longer only the idle time
             pending.result(timeout=timeout_s)
 
-    def settle(self, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    def settle(self, timeout_s: float | None = SETTLE_TIMEOUT_S) -> None:
         """On the way out of a failed attempt: let the checkpoint in flight finish its report (every
         rank's checkpoint thread meets in Ray's report barrier, whatever its training thread hit),
         so the next attempt resumes from it. Without this a failure a few steps after an interval
         checkpoint tore the worker group down mid-report, and the retry started from the one before
         (or from scratch). Its own error, or a report that does not finish in ``timeout_s`` (a rank
-        that is gone), is logged: the attempt's failure is the one that counts."""
+        that is gone), is logged: the attempt's failure is the one that counts. Before a just-in-time
+        checkpoint, with no timeout: that one is what counts."""
         try:
             self.wait(timeout_s)
         except Exception as exc:  # boundary: the loop's own error is already on its way out
-            worker_log().warning("note: the checkpoint in flight at the failure did not finish: %s: %s",
+            worker_log().warning("note: the checkpoint in flight did not finish: %s: %s",
                                  type(exc).__name__, exc)
 
     def close(self) -> None:
+        self._yielding.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _in_background(self, done: int, state: dict | None, metrics: dict, then: Callable[[], None]) -> None:
@@ -250,30 +287,62 @@ class Checkpointer:
 
         from cluster.ray_adapter import run_storage_filesystem
 
-        checkpoint = None
-        if state is not None:
-            # Written through the run's own filesystem (the driver's, as Ray's upload used): the one
-            # Ray records the checkpoint on, with the endpoint and credentials the job was started with.
-            fs, path = run_storage_filesystem(), posixpath.join(self.run_path, ckpt.dir_name(done))
-            manifest = ckpt.write(fs, path, state, self.spec.checkpoint.file_name(done), metrics)
-            self._retention_known[path] = ckpt.kept(manifest, self.spec.checkpoint.keep_best_metric)
-            checkpoint = Checkpoint(path, filesystem=fs)
-        # The files are complete where Ray keeps its checkpoints: Ray only records them. In the
-        # background its thread queues the record for the controller's next poll and this thread
-        # goes on; a just-in-time or sync checkpoint waits until the controller has it.
-        if self.background and not jit:
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
-                             checkpoint_upload_mode=CheckpointUploadMode.ASYNC, checkpoint_upload_fn=already_there,
-                             delete_local_checkpoint_after_upload=False)  # Ray's default for ASYNC: delete it
-        else:
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
-                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-        if self.rank == 0:
+        with self._yielding.idle():  # none of this starts a thread (writes in this one, see below)
+            checkpoint = None
+            if state is not None:
+                # Through the run's own filesystem, the one Ray records the checkpoint on (its endpoint
+                # and region are the driver's, as for Ray's own upload), writing in this thread.
+                fs, path = run_storage_filesystem(), posixpath.join(self.run_path, ckpt.dir_name(done))
+                if self._write_fs is None:
+                    self._write_fs = foreground(fs)
+                manifest = write_with_retries(self._write_fs, path, state, self.spec.checkpoint.file_name(done), metrics)
+                self._retention_known[path] = ckpt.kept(manifest, self.spec.checkpoint.keep_best_metric, done)
+                checkpoint = Checkpoint(path, filesystem=fs)
+            # The files are complete where Ray keeps its checkpoints: Ray only records them. In the
+            # background its thread queues the record for the controller's next poll and this thread
+            # goes on; a just-in-time or sync checkpoint waits until the controller has it.
+            if self.background and not jit:
+                ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
+                                 checkpoint_upload_mode=CheckpointUploadMode.ASYNC, checkpoint_upload_fn=already_there,
+                                 delete_local_checkpoint_after_upload=False)  # Ray's default for ASYNC: delete it
+            else:
+                ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
+                                 checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+            self.after_report(done, jit)
+        if self.rank == 0:  # pyarrow's listing and deletes use its shared I/O threads: not while idle
             c = self.spec.checkpoint
             ckpt.prune(self.root.fs, self.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode,
                        known=self._retention_known)
-        self.after_report(done, jit)
-        then()
+        then()  # the observer's writes (its TensorBoard writer starts a thread)
+
+
+WRITE_ATTEMPTS = 3  # as Ray's own upload tried a checkpoint: S3's 503 SlowDown comes in spells
+
+
+def write_with_retries(fs, path: str, state: dict, file_name: str, metrics: dict) -> dict:
+    """``ckpt.write``, tried again after 1 s and 2 s when storage fails (past the S3 client's own retries)."""
+    for attempt in range(1, WRITE_ATTEMPTS + 1):
+        try:
+            return ckpt.write(fs, path, state, file_name, metrics)
+        except OSError as exc:
+            if attempt == WRITE_ATTEMPTS:
+                raise
+            worker_log().warning("checkpoint %s: writing failed (%s), try %d of %d in %d s",
+                                 posixpath.basename(path), exc, attempt + 1, WRITE_ATTEMPTS, attempt)
+            time.sleep(attempt)
+    raise AssertionError("unreachable")
+
+
+def foreground(fs):
+    """``fs`` with S3 writes done in the calling thread: with pyarrow's background writes each
+    upload is a task for its shared I/O threads, and one started for it by a yielding thread
+    would stay idle-class. Other filesystems write in the calling thread already."""
+    import pyarrow.fs as pafs
+
+    if not isinstance(fs, pafs.S3FileSystem):
+        return fs
+    rebuild, (options,) = fs.__reduce__()
+    return rebuild({**options, "background_writes": False})
 
 
 def already_there(checkpoint, dir_name: str):

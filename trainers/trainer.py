@@ -349,7 +349,9 @@ class Trainer:
                 stop_now, preempted = self.sync(done)
                 preemption = None
                 if preempted and not self.jit_taken:  # agree on the notice (a Ray barrier: only when flagged)
-                    self.checkpointer.wait()  # one Ray collective at a time, in the same order on every rank
+                    # One Ray collective at a time, in the same order on every rank; an earlier failed
+                    # upload is logged, not raised: the notice's own checkpoint comes first.
+                    self.checkpointer.settle(timeout_s=None)
                     preemption = ray.train.get_preemption_info()
                     self.jit_taken = preemption is not None
                 kind = self.checkpointer.kind(done, self.stop, preemption is not None, stop_now)

@@ -202,7 +202,7 @@ def test_a_checkpoint_streams_to_s3_as_two_objects_and_a_failed_state_upload_lea
     assert keys == [f"job/checkpoints/{ckpt.dir_name(10)}/{name}" for name in (ckpt.MANIFEST, "model_10.pt")]
     verified, problem = ckpt.verify(direct, path)
     assert problem is None and verified["files"] == manifest["files"]
-    assert ckpt.kept(manifest, "loss") == ckpt.Kept(10, 0.5, True)
+    assert ckpt.kept(manifest, "loss", 10) == ckpt.Kept(10, 0.5, True)
     assert torch.equal(ckpt.load_state(direct, path)["w"], state["w"])
 
     failing = f"stream/job/checkpoints/{ckpt.dir_name(20)}"
@@ -216,3 +216,21 @@ def test_a_checkpoint_streams_to_s3_as_two_objects_and_a_failed_state_upload_lea
         proxy.close()
     assert proxy.failed
     assert ckpt.verify(direct, failing) == (None, "no manifest.json (the checkpoint was never completed)")
+
+
+def test_a_folder_written_again_loses_its_old_manifest_before_the_new_state(tmp_path, monkeypatch):
+    """A retry writes checkpoint N again where a good one was skipped: the old manifest must not
+    vouch for a new state file that never finished (retention checks sizes only)."""
+    fs = pafs.LocalFileSystem()
+    d = str(tmp_path / ckpt.dir_name(10))
+    ckpt.write(fs, d, {"step": 10, "w": torch.ones(4)}, "model_10.pt")
+
+    def failing_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.write(fs, d, {"step": 10, "w": torch.zeros(4)}, "model_10.pt")
+    assert ckpt.verify(fs, d) == (None, "no manifest.json (the checkpoint was never completed)")
+    assert ckpt.retention_entry(fs, d, 10, None) == ckpt.Kept(10, None, False)

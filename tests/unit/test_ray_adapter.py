@@ -531,5 +531,4 @@ def test_a_checkpoint_written_in_place_is_one_ray_takes_without_an_upload(tmp_pa
     assert is_managed_checkpoint(storage, Checkpoint(inside, filesystem=storage.storage_filesystem))
     assert not is_managed_checkpoint(storage, Checkpoint(str(tmp_path / "elsewhere"), filesystem=storage.storage_filesystem))
     assert "get_storage()" in inspect.getsource(DistributedTrainContext.get_storage)
-    assert "storage_filesystem" in inspect.getsource(ray_adapter.run_storage_filesystem)
     assert CheckpointUploadMode.ASYNC.default_delete_local_checkpoint_after_upload() is True

@@ -175,55 +175,168 @@ def test_settling_logs_a_failed_or_stuck_checkpoint_and_does_not_hang(caplog):
     c.close()
 
 
-def yielding_checkpointer(monkeypatch, work):
-    """A rank-0 Checkpointer whose background work is ``work(done)``, on its own thread."""
+LINUX_ONLY = pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
+
+
+def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: None):
+    """A rank-0, world-1 Checkpointer on local storage whose ``ray.train.report`` is ``report``."""
+    import pyarrow.fs as pafs
+    import ray.train
+
+    from cluster import ray_adapter
+    from cluster.storage import open_root
     from trainers.checkpointer import Checkpointer
 
-    c = Checkpointer(validate({"name": "yield", "checkpoint": {"interval": 5}}), None, "run", 0, 1,
-                     torch.device("cpu"), lambda step, jit: None)
-    monkeypatch.setattr(c, "_in_background", lambda done, state, metrics, then: work(done))
-    return c
+    monkeypatch.setattr(ray.train, "report", report)
+    monkeypatch.setattr(ray_adapter, "run_storage_filesystem", lambda: pafs.LocalFileSystem())
+    root = open_root(str(tmp_path))
+    spec = validate({"name": "writes", "checkpoint": {"interval": 5, "storage_root": str(tmp_path)}})
+    return Checkpointer(spec, root, root.path("writes", "checkpoints"), 0, 1, torch.device("cpu"), after)
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
-def test_the_checkpoint_thread_yields_from_its_second_checkpoint_and_gets_its_policy_back_when_waited_for(monkeypatch):
-    """The first checkpoint runs at the thread's own policy (the threads it starts inherit that);
-    later ones at SCHED_IDLE; a training thread that must wait for one hurries it first."""
-    import concurrent.futures
+def test_a_checkpoint_is_in_place_before_ray_hears_of_it_and_ray_is_told_to_keep_it(monkeypatch, tmp_path):
+    """Background: Ray's ASYNC report with nothing to upload and, above all, nothing to delete
+    (its ASYNC default deletes the folder once 'uploaded'). Just-in-time: NO_UPLOAD."""
+    import pyarrow.fs as pafs
+
+    from trainers import checkpoint as ckpt
+    from trainers.checkpointer import Kind, already_there
+
+    reports = []
+
+    def report(metrics, checkpoint=None, **kwargs):
+        verified, problem = ckpt.verify(pafs.LocalFileSystem(), checkpoint.path)
+        reports.append((checkpoint.path, problem, kwargs))
+
+    c = writing_checkpointer(monkeypatch, tmp_path, report)
+    c.save(5, Kind.INTERVAL, lambda: {"step": 5, "w": torch.ones(3)}, {"loss": 1.0})
+    c.wait()
+    c.save(7, Kind.JIT, lambda: {"step": 7, "w": torch.ones(3)}, {"loss": 0.5})
+    c.close()
+    folder = tmp_path / "writes" / "checkpoints"
+    assert [(path, problem) for path, problem, _ in reports] == [
+        (str(folder / ckpt.dir_name(5)), None), (str(folder / ckpt.dir_name(7)), None)]
+    background, jit = reports[0][2], reports[1][2]
+    assert background["checkpoint_upload_mode"].name == "ASYNC" and background["checkpoint_upload_fn"] is already_there
+    assert background["delete_local_checkpoint_after_upload"] is False
+    assert jit["checkpoint_upload_mode"].name == "NO_UPLOAD"
+
+
+def test_a_failed_checkpoint_in_flight_does_not_cost_a_spot_notice_its_own(monkeypatch, tmp_path, caplog):
+    from concurrent.futures import Future
+
+    from trainers.checkpointer import Kind
+
+    reported = []
+    c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reported.append(checkpoint.path))
+    failed: Future = Future()
+    failed.set_exception(OSError("503 SlowDown"))
+    c._pending = failed
+    with caplog.at_level("WARNING"):
+        c.save(9, Kind.JIT, lambda: {"step": 9}, {})
+    c.close()
+    assert "did not finish: OSError: 503 SlowDown" in caplog.text
+    assert [p.rsplit("/", 1)[1] for p in reported] == ["checkpoint_000000009"]
+
+
+def test_storage_failures_are_tried_three_times_then_raised(monkeypatch, caplog):
+    from trainers import checkpointer
+
+    calls = []
+
+    def flaky(*args):
+        calls.append(args)
+        if len(calls) < 3:
+            raise OSError("When uploading part: AWS Error SLOW_DOWN")
+        return {"step": 1}
+
+    monkeypatch.setattr(checkpointer.ckpt, "write", flaky)
+    monkeypatch.setattr(checkpointer.time, "sleep", lambda s: None)
+    with caplog.at_level("WARNING"):
+        assert checkpointer.write_with_retries(None, "run/checkpoint_000000001", {}, "m.pt", {}) == {"step": 1}
+    assert len(calls) == 3 and "checkpoint_000000001: writing failed" in caplog.text and "try 3 of 3" in caplog.text
+    calls.clear()
+    monkeypatch.setattr(checkpointer.ckpt, "write", lambda *a: (_ for _ in ()).throw(OSError("AccessDenied")))
+    with pytest.raises(OSError, match="AccessDenied"):
+        checkpointer.write_with_retries(None, "run/checkpoint_000000001", {}, "m.pt", {})
+
+
+def test_writes_happen_in_the_calling_thread():
+    """pyarrow's background writes would hand each upload to its shared I/O threads."""
+    import pyarrow.fs as pafs
+
+    from trainers.checkpointer import foreground
+
+    s3 = pafs.S3FileSystem(endpoint_override="127.0.0.1:9", scheme="http", allow_delayed_open=True, request_timeout=15)
+    options = foreground(s3).__reduce__()[1][0]
+    assert options["background_writes"] is False and options["allow_delayed_open"] is True
+    assert options["request_timeout"] == 15 and options["endpoint_override"] == "127.0.0.1:9"
+    local = pafs.LocalFileSystem()
+    assert foreground(local) is local
+
+
+@LINUX_ONLY
+def test_the_checkpoint_thread_yields_while_it_writes_and_reports_and_gets_its_policy_back(monkeypatch, tmp_path):
+    """Never for the first checkpoint (threads it starts inherit the policy); from the second on,
+    SCHED_IDLE while it writes, reports and beats, its own policy for retention and the observer's
+    writes (which start threads), and its own policy once training waits for it."""
     import os
     import threading
 
-    from trainers.checkpointer import idle_is_reversible
+    from trainers.checkpointer import Kind, idle_is_reversible
 
     if not idle_is_reversible():
         pytest.skip("this machine does not let a thread leave SCHED_IDLE: the refusal test covers it")
     seen, started, release = [], threading.Event(), threading.Event()
 
-    def work(done):
-        seen.append(os.sched_getscheduler(0))
-        if done == 3:
+    def report(metrics, checkpoint=None, **kwargs):
+        seen.append(("report", metrics["n"], os.sched_getscheduler(0)))
+        if metrics["n"] == 3:
             started.set()
-            release.wait(10)
-            seen.append(os.sched_getscheduler(0))
+            assert release.wait(30)
+            seen.append(("hurried", 3, os.sched_getscheduler(0)))
 
-    own = os.sched_getscheduler(0)  # the pool's thread was started by this one: it inherited this
-    c = yielding_checkpointer(monkeypatch, work)
-    for done in (1, 2):
-        c.save(done, Kind.INTERVAL, None, {})
-        concurrent.futures.wait([c._pending])  # done before anyone waits: no hurry
+    own = os.sched_getscheduler(0)  # the checkpoint thread was started by this one: it inherited this
+    c = writing_checkpointer(monkeypatch, tmp_path, report,
+                             after=lambda step, jit: seen.append(("beat", step, os.sched_getscheduler(0))))
+    real_hurry = c._yielding.hurry
+    monkeypatch.setattr(c._yielding, "hurry", lambda: (real_hurry(), release.set()))
+    for n in (1, 2):
+        c.save(n, Kind.INTERVAL, lambda: {"step": n}, {"n": n},
+               then=lambda n=n: seen.append(("then", n, os.sched_getscheduler(0))))
+        while not c._pending.done():  # done before anyone waits: no hurry
+            release.wait(0.01)
         c.wait()
-    c.save(3, Kind.INTERVAL, None, {})
-    assert started.wait(10)
-    threading.Timer(0.3, release.set).start()
+    c.save(3, Kind.INTERVAL, lambda: {"step": 3}, {"n": 3})
+    assert started.wait(30)
     c.wait()  # the training thread waits: the thread gets its own policy back
     c.close()
-    assert seen == [own, os.SCHED_IDLE, os.SCHED_IDLE, own]
+    idle = os.SCHED_IDLE
+    assert seen == [("report", 1, own), ("beat", 1, own), ("then", 1, own),
+                    ("report", 2, idle), ("beat", 2, idle), ("then", 2, own),
+                    ("report", 3, idle), ("hurried", 3, own), ("beat", 3, own)]
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
-def test_where_a_thread_could_not_leave_sched_idle_the_checkpoint_thread_never_enters_it(monkeypatch, caplog):
-    """Unprivileged with the usual RLIMIT_NICE of 0, Linux refuses the way back from SCHED_IDLE:
-    the probe says so, and no checkpoint thread is put where training could not hurry it."""
+@LINUX_ONLY
+def test_a_checkpoint_still_in_flight_at_the_next_interval_step_is_hurried(monkeypatch):
+    from concurrent.futures import Future
+
+    from trainers.checkpointer import Checkpointer
+
+    c = Checkpointer(validate({"name": "hurry", "checkpoint": {"interval": 5}}), None, "run", 0, 1,
+                     torch.device("cpu"), lambda step, jit: None)
+    hurried = []
+    monkeypatch.setattr(c._yielding, "hurry", lambda: hurried.append(True))
+    c._pending = Future()  # still running
+    assert c._gap_ok() is False and hurried == [True]
+    c._pending = None
+    c.close()
+
+
+@LINUX_ONLY
+def test_where_a_thread_could_not_leave_sched_idle_the_checkpoint_thread_never_enters_it(monkeypatch):
+    """Unprivileged with the usual RLIMIT_NICE of 0 (or root in a container without CAP_SYS_NICE),
+    Linux refuses the way back from SCHED_IDLE: the probe says so, and the thread never yields."""
     import os
 
     from trainers import checkpointer
@@ -239,16 +352,16 @@ def test_where_a_thread_could_not_leave_sched_idle_the_checkpoint_thread_never_e
     assert checkpointer.idle_is_reversible.__wrapped__() is False
     monkeypatch.setattr(os, "sched_setscheduler", real)
     monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: False)
+    yielding = checkpointer.Yielding(os.getpid())
     seen = []
-    c = yielding_checkpointer(monkeypatch, lambda done: seen.append(os.sched_getscheduler(0)))
-    for done in (1, 2, 3):
-        c.save(done, Kind.INTERVAL, None, {})
-        c.wait()
-    c.close()
+    for _ in range(3):
+        yielding.before_work()
+        with yielding.idle():
+            seen.append(os.sched_getscheduler(0))
     assert seen == [os.sched_getscheduler(0)] * 3
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
+@LINUX_ONLY
 def test_a_refused_policy_change_turns_yielding_off_and_training_goes_on(monkeypatch, caplog):
     import os
 
@@ -258,8 +371,10 @@ def test_a_refused_policy_change_turns_yielding_off_and_training_goes_on(monkeyp
     yielding = checkpointer.Yielding(os.getpid())  # a thread that exists, then a sandbox that says no
     monkeypatch.setattr(os, "sched_setscheduler", lambda *a: (_ for _ in ()).throw(PermissionError(1, "seccomp")))
     with caplog.at_level("DEBUG"):
-        yielding.before_work()
-        yielding.before_work()
+        for _ in range(2):
+            yielding.before_work()
+            with yielding.idle():
+                pass
         yielding.hurry()
     assert yielding.enabled is False
     assert "checkpoint thread keeps its scheduling: [Errno 1] seccomp" in caplog.text
