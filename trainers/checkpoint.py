@@ -61,8 +61,10 @@ def write(fs: pafs.FileSystem, path: str, state: dict, file_name: str, metrics: 
     if isinstance(fs, pafs.LocalFileSystem):
         fs.create_dir(path, recursive=True)
     manifest_path = posixpath.join(path, MANIFEST)
-    if fs.get_file_info(manifest_path).type != pafs.FileType.NotFound:
-        fs.delete_file(manifest_path)  # a folder written again: its old manifest must not vouch for the new file
+    try:  # a folder written again: its old manifest must not vouch for the new file
+        fs.delete_file(manifest_path)
+    except FileNotFoundError:
+        pass
     with fs.open_output_stream(posixpath.join(path, file_name)) as out:
         hashing = _Hashing(out)
         torch.save(state, hashing)

@@ -150,25 +150,31 @@ class Yielding:
 
     @contextlib.contextmanager
     def idle(self):
-        """On the checkpoint thread, around work that starts no thread."""
+        """On the checkpoint thread, around work that starts no thread. The lock guards the flag
+        only: an idle-class thread preempted while holding it would make ``hurry`` wait."""
         with self._lock:
             yielding = (self.enabled and self.started > 1 and not self._hurried
                         and threading.get_native_id() == self.tid)  # not a JIT write on the training thread
-            if yielding:
-                self._set(os.SCHED_IDLE, os.sched_param(0))
+        if yielding:
+            self._set(os.SCHED_IDLE, os.sched_param(0))
+            with self._lock:
+                hurried = self._hurried
+            if hurried:  # while it switched
+                self._set(*self.own)
         try:
             yield
         finally:
             with self._lock:
-                if yielding and self.enabled and not self._hurried:
-                    self._set(*self.own)
+                hurried = self._hurried
+            if yielding and self.enabled and not hurried:
+                self._set(*self.own)
 
     def hurry(self) -> None:
         """On the training thread: it waits for the checkpoint thread now, or finds it still busy."""
         with self._lock:
             self._hurried = True
-            if self.enabled:
-                self._set(*self.own)
+        if self.enabled:
+            self._set(*self.own)
 
     def stop(self) -> None:
         with self._lock:
@@ -287,6 +293,7 @@ class Checkpointer:
 
         from cluster.ray_adapter import run_storage_filesystem
 
+        failed: Exception | None = None
         with self._yielding.idle():  # none of this starts a thread (writes in this one, see below)
             checkpoint = None
             if state is not None:
@@ -295,9 +302,14 @@ class Checkpointer:
                 fs, path = run_storage_filesystem(), posixpath.join(self.run_path, ckpt.dir_name(done))
                 if self._write_fs is None:
                     self._write_fs = foreground(fs)
-                manifest = write_with_retries(self._write_fs, path, state, self.spec.checkpoint.file_name(done), metrics)
-                self._retention_known[path] = ckpt.kept(manifest, self.spec.checkpoint.keep_best_metric, done)
-                checkpoint = Checkpoint(path, filesystem=fs)
+                try:
+                    manifest = write_with_retries(self._write_fs, path, state, self.spec.checkpoint.file_name(done),
+                                                  metrics)
+                    self._retention_known[path] = ckpt.kept(manifest, self.spec.checkpoint.keep_best_metric, done)
+                    checkpoint = Checkpoint(path, filesystem=fs)
+                except Exception as exc:  # re-raised below, after the report every other rank waits in
+                    failed = exc
+
             # The files are complete where Ray keeps its checkpoints: Ray only records them. In the
             # background its thread queues the record for the controller's next poll and this thread
             # goes on; a just-in-time or sync checkpoint waits until the controller has it.
@@ -308,6 +320,8 @@ class Checkpointer:
             else:
                 ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
                                  checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+            if failed is not None:
+                raise failed
             self.after_report(done, jit)
         if self.rank == 0:  # pyarrow's listing and deletes use its shared I/O threads: not while idle
             c = self.spec.checkpoint
@@ -317,15 +331,20 @@ class Checkpointer:
 
 
 WRITE_ATTEMPTS = 3  # as Ray's own upload tried a checkpoint: S3's 503 SlowDown comes in spells
+# The AWS SDK's names for errors worth another try (those Ray's upload retried on): not a denied
+# access, a missing bucket or a full disk, which would only cost a spot notice its time.
+TRANSIENT_STORAGE_ERRORS = ("AWS Error SLOW_DOWN", "AWS Error INTERNAL_FAILURE", "AWS Error SERVICE_UNAVAILABLE",
+                            "AWS Error NETWORK_CONNECTION", "AWS Error UNKNOWN")
 
 
 def write_with_retries(fs, path: str, state: dict, file_name: str, metrics: dict) -> dict:
-    """``ckpt.write``, tried again after 1 s and 2 s when storage fails (past the S3 client's own retries)."""
+    """``ckpt.write``, tried again after 1 s and 2 s when storage fails transiently (past the S3
+    client's own retries)."""
     for attempt in range(1, WRITE_ATTEMPTS + 1):
         try:
             return ckpt.write(fs, path, state, file_name, metrics)
         except OSError as exc:
-            if attempt == WRITE_ATTEMPTS:
+            if attempt == WRITE_ATTEMPTS or not any(token in str(exc) for token in TRANSIENT_STORAGE_ERRORS):
                 raise
             worker_log().warning("checkpoint %s: writing failed (%s), try %d of %d in %d s",
                                  posixpath.basename(path), exc, attempt + 1, WRITE_ATTEMPTS, attempt)

@@ -233,4 +233,3 @@ def test_a_folder_written_again_loses_its_old_manifest_before_the_new_state(tmp_
     with pytest.raises(OSError, match="disk full"):
         ckpt.write(fs, d, {"step": 10, "w": torch.zeros(4)}, "model_10.pt")
     assert ckpt.verify(fs, d) == (None, "no manifest.json (the checkpoint was never completed)")
-    assert ckpt.retention_entry(fs, d, 10, None) == ckpt.Kept(10, None, False)

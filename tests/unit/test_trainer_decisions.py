@@ -256,9 +256,30 @@ def test_storage_failures_are_tried_three_times_then_raised(monkeypatch, caplog)
         assert checkpointer.write_with_retries(None, "run/checkpoint_000000001", {}, "m.pt", {}) == {"step": 1}
     assert len(calls) == 3 and "checkpoint_000000001: writing failed" in caplog.text and "try 3 of 3" in caplog.text
     calls.clear()
-    monkeypatch.setattr(checkpointer.ckpt, "write", lambda *a: (_ for _ in ()).throw(OSError("AccessDenied")))
-    with pytest.raises(OSError, match="AccessDenied"):
+
+    def denied(*args):
+        calls.append(args)
+        raise OSError("When initiating multiple part upload: AWS Error ACCESS_DENIED")
+
+    monkeypatch.setattr(checkpointer.ckpt, "write", denied)
+    with pytest.raises(OSError, match="ACCESS_DENIED"):
         checkpointer.write_with_retries(None, "run/checkpoint_000000001", {}, "m.pt", {})
+    assert len(calls) == 1  # not worth a retry: it would only cost a spot notice its time
+
+
+def test_a_failed_write_still_joins_rays_report_barrier_then_raises(monkeypatch, tmp_path):
+    """Only rank 0 writes; every other rank waits in the report's barrier. Raising before the
+    report would leave them there and pair their next Ray collective with rank 0's next one."""
+    from trainers import checkpointer
+    from trainers.checkpointer import Kind
+
+    reported = []
+    c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reported.append(checkpoint))
+    monkeypatch.setattr(checkpointer.ckpt, "write", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        c.save(9, Kind.JIT, lambda: {"step": 9}, {})
+    c.close()
+    assert reported == [None]
 
 
 def test_writes_happen_in_the_calling_thread():
@@ -317,7 +338,6 @@ def test_the_checkpoint_thread_yields_while_it_writes_and_reports_and_gets_its_p
                     ("report", 3, idle), ("hurried", 3, own), ("beat", 3, own)]
 
 
-@LINUX_ONLY
 def test_a_checkpoint_still_in_flight_at_the_next_interval_step_is_hurried(monkeypatch):
     from concurrent.futures import Future
 
