@@ -19,6 +19,9 @@ local Ray included, is stopped), and counts only the windows wholly inside a tur
 - async checkpoints taken: an interval checkpoint is left to the next interval step while the
   one before is still being written and reported (trainers.checkpointer), so fewer than
   steps / interval may be taken.
+- s3 server cpu seconds per pair: the moto server's CPU time over an S3 pair (both jobs; nearly
+  all of it the async job's checkpoints). A remote bucket would not spend it on this machine,
+  whose two cores the ranks train on.
 
 The same pairs run with local-disk storage: what our side and Ray's reporting cost, without
 the S3 emulation. The S3 server runs in a process of its own under the idle scheduling class
@@ -78,6 +81,12 @@ def start_s3(port: int) -> subprocess.Popen:
 
 
 BATCH = 128  # global samples a step
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system; Linux's /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_command(spec: dict, spec_dir: Path) -> Command:
@@ -148,6 +157,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="etrain-bench-ckpt-"))
     roots = {"s3": "s3://bench/runs", "local": str(work / "storage")}  # local disk: our side and Ray's without S3
     pairs: dict[str, list[dict[str, Run]]] = {where: [] for where in roots}
+    server_cpu_s: list[float] = []  # the S3 server's CPU time in each S3 pair: this machine's, not a bucket's
 
     def say(label: str, runs: dict[str, Run], other: str) -> None:
         base, it = runs["none"], runs[other]
@@ -159,7 +169,10 @@ def main() -> None:
         for where, root in roots.items():
             for i in range(args.pairs):
                 kinds = ("none", "async") if i % 2 == 0 else ("async", "none")
+                cpu_at = cpu_seconds(server.pid)
                 pairs[where].append(pair_in_turns(kinds, root, f"{where}-{i}", args, work))
+                if where == "s3":
+                    server_cpu_s.append(cpu_seconds(server.pid) - cpu_at)
                 say(f"{where} pair {i}", pairs[where][-1], "async")
             if where == "s3":
                 sync = pair_in_turns(("sync", "none"), root, "sync", args, work)
@@ -181,6 +194,7 @@ def main() -> None:
     print(f"samples/s with async checkpoints every {args.interval} steps: {median('s3', 'async', 'steady'):.0f}")
     print(f"samples/s with sync checkpoints every {args.interval} steps: {sync['sync'].steady:.0f}")
     print(f"async checkpoints taken: {median('s3', 'async', 'checkpoints'):.0f}")
+    print(f"s3 server cpu seconds per pair: {statistics.median(server_cpu_s):.1f}")
     print(f"async checkpoints taken to local disk: {median('local', 'async', 'checkpoints'):.0f}")
     print(f"report() blocking with async upload: {median('s3', 'async', 'report_s'):.3f} s")
     print(f"report() blocking with sync upload: {sync['sync'].report_s:.3f} s")
