@@ -113,7 +113,6 @@ class Checkpointer:
         self.last_at = float("-inf")
         self.timing = Timing()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="etrain-checkpoint")
-        self._write_fs = None  # the run's filesystem, writing in the calling thread
         self._pending: Future | None = None
         self._retention_known: dict[str, ckpt.Kept] = {}  # complete checkpoints retention has read
 
@@ -193,13 +192,10 @@ class Checkpointer:
         checkpoint = None
         if state is not None:
             # Through the run's own filesystem, the one Ray records the checkpoint on (its endpoint
-            # and region are the driver's, as for Ray's own upload), writing in this thread.
+            # and region are the driver's, as for Ray's own upload).
             fs, path = run_storage_filesystem(), posixpath.join(self.run_path, ckpt.dir_name(done))
-            if self._write_fs is None:
-                self._write_fs = foreground(fs)
             try:
-                manifest = write_with_retries(self._write_fs, path, state, self.spec.checkpoint.file_name(done),
-                                              metrics)
+                manifest = write_with_retries(fs, path, state, self.spec.checkpoint.file_name(done), metrics)
                 self._retention_known[path] = ckpt.kept(manifest, self.spec.checkpoint.keep_best_metric, done)
                 checkpoint = Checkpoint(path, filesystem=fs)
             except Exception as exc:  # re-raised below, after the report every other rank waits in
@@ -208,13 +204,12 @@ class Checkpointer:
         # The files are complete where Ray keeps its checkpoints: Ray only records them. In the
         # background its thread queues the record for the controller's next poll and this thread
         # goes on; a just-in-time or sync checkpoint waits until the controller has it.
-        if self.background and not jit:
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
-                             checkpoint_upload_mode=CheckpointUploadMode.ASYNC, checkpoint_upload_fn=already_there,
-                             delete_local_checkpoint_after_upload=False)  # Ray's default for ASYNC: delete it
+        if self.background and not jit:  # Ray's default for ASYNC deletes the folder once "uploaded"
+            how = {"checkpoint_upload_mode": CheckpointUploadMode.ASYNC, "checkpoint_upload_fn": already_there,
+                   "delete_local_checkpoint_after_upload": False}
         else:
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done),
-                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+            how = {"checkpoint_upload_mode": CheckpointUploadMode.NO_UPLOAD}
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done), **how)
         if failed is not None:
             raise failed
         self.after_report(done, jit)
@@ -245,18 +240,6 @@ def write_with_retries(fs, path: str, state: dict, file_name: str, metrics: dict
                                  posixpath.basename(path), exc, attempt + 1, WRITE_ATTEMPTS, attempt)
             time.sleep(attempt)
     raise AssertionError("unreachable")
-
-
-def foreground(fs):
-    """``fs`` with S3 writes done in the calling thread, the checkpoint thread, rather than handed to
-    pyarrow's I/O threads, which the data loader shares. Other filesystems write in the calling
-    thread already."""
-    import pyarrow.fs as pafs
-
-    if not isinstance(fs, pafs.S3FileSystem):
-        return fs
-    rebuild, (options,) = fs.__reduce__()
-    return rebuild({**options, "background_writes": False})
 
 
 def already_there(checkpoint, dir_name: str):

@@ -277,17 +277,3 @@ def test_a_failed_write_still_joins_rays_report_barrier_then_raises(monkeypatch,
         c.save(9, Kind.JIT, lambda: {"step": 9}, {})
     c.close()
     assert reported == [None]
-
-
-def test_writes_happen_in_the_calling_thread():
-    """pyarrow's background writes would hand each upload to its shared I/O threads."""
-    import pyarrow.fs as pafs
-
-    from trainers.checkpointer import foreground
-
-    s3 = pafs.S3FileSystem(endpoint_override="127.0.0.1:9", scheme="http", allow_delayed_open=True, request_timeout=15)
-    options = foreground(s3).__reduce__()[1][0]
-    assert options["background_writes"] is False and options["allow_delayed_open"] is True
-    assert options["request_timeout"] == 15 and options["endpoint_override"] == "127.0.0.1:9"
-    local = pafs.LocalFileSystem()
-    assert foreground(local) is local
