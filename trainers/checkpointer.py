@@ -9,6 +9,15 @@ beats the heartbeat and flushes the metrics history. One thread per rank keeps
 Ray's collectives in the same order on every rank; while it is busy, an interval checkpoint
 is left to the next interval step rather than stall training.
 
+That thread yields the CPU to training (Linux's SCHED_IDLE, :class:`Yielding`): DDP ranks move
+in lockstep, and a rank's thread woken by a collective waited behind the checkpoint thread's
+slice (under SCHED_BATCH, which CPU ranks run at, a waking thread does not preempt), so every
+step of the interval slowed down, not just the checkpoint's. An idle-class thread is preempted
+at once and runs in the time the ranks wait for each other. It yields only while it writes,
+reports and beats (work that starts no thread: a thread inherits its creator's policy), and
+gets its policy back the moment training waits for it or finds it still busy at the next
+interval step.
+
 A just-in-time checkpoint (a spot notice) is synchronous: it drains the thread (an earlier
 failure there is logged, not raised), then writes and reports before the node goes, on the
 training thread.
@@ -17,11 +26,15 @@ training thread.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import posixpath
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
 
@@ -91,6 +104,125 @@ def short_gil_slices(interval_s: float = 0.0005):
         sys.setswitchinterval(previous)
 
 
+@functools.cache
+def idle_is_reversible() -> bool:
+    """Whether a thread of this process may go to SCHED_IDLE and come back (Linux; root,
+    CAP_SYS_NICE, or an RLIMIT_NICE of 20: sched(7) treats leaving SCHED_IDLE as lowering nice
+    from 20). Where it may not, a thread that training must wait for could not be hurried."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    said: list[bool] = []
+
+    def probe() -> None:  # on a thread of its own: nothing else is touched if the way back fails
+        policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, policy, param)
+            said.append(True)
+        except OSError:
+            said.append(False)
+
+    thread = threading.Thread(target=probe, name="etrain-idle-probe")
+    thread.start()
+    thread.join()
+    return said[0]
+
+
+class Yielding:
+    """The checkpoint thread's scheduling: SCHED_IDLE around the parts of its work that start no
+    thread (a thread inherits its creator's policy, and an idle-class pyarrow I/O thread, which
+    the data loader shares, or TensorBoard writer would stay idle for good), its own policy for
+    the rest, and its own policy the moment training waits for it. Never for its first piece of
+    work: the threads that one starts (Ray's report thread) keep the normal policy."""
+
+    def __init__(self, tid: int):
+        self.tid = tid
+        self.enabled = idle_is_reversible()
+        self.own = (os.sched_getscheduler(tid), os.sched_getparam(tid)) if self.enabled else None
+        self.started = 0
+        self._hurried = False
+        self._lock = threading.Lock()  # the training thread hurries while the thread yields
+
+    def before_work(self) -> None:
+        """On the training thread, before handing the thread a piece of work."""
+        with self._lock:
+            self.started += 1
+            self._hurried = False
+
+    @contextlib.contextmanager
+    def idle(self):
+        """On the checkpoint thread, around work that starts no thread. The lock guards the flag
+        only: an idle-class thread preempted while holding it would make ``hurry`` wait."""
+        with self._lock:
+            yielding = (self.enabled and self.started > 1 and not self._hurried
+                        and threading.get_native_id() == self.tid)  # not a JIT write on the training thread
+        if yielding:
+            self._set(os.SCHED_IDLE, os.sched_param(0))
+            with self._lock:
+                hurried = self._hurried
+            if hurried:  # while it switched
+                self._set(*self.own)
+        try:
+            yield
+        finally:
+            with self._lock:
+                hurried = self._hurried
+            if yielding and self.enabled and not hurried:
+                self._set(*self.own)
+
+    def hurry(self) -> None:
+        """On the training thread: it waits for the checkpoint thread now, or finds it still busy."""
+        with self._lock:
+            self._hurried = True
+        if self.enabled:
+            self._set(*self.own)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.enabled = False  # the thread id may soon be another thread's
+
+    def _set(self, policy: int, param) -> None:
+        try:
+            os.sched_setscheduler(self.tid, policy, param)
+        except OSError as exc:  # the thread is gone, or a sandbox said no: never worth a failed step
+            self.enabled = False
+            worker_log().debug("checkpoint thread keeps its scheduling: %s", exc)
+
+
+class BackgroundThread:
+    """One daemon thread that runs the work handed to it in order, each piece's outcome in a Future.
+
+    Not concurrent.futures' pool: Python joins its threads at exit, and a worker that Ray shuts
+    down while a checkpoint is in flight (a finished sweep's trial, a job whose driver is gone)
+    then waited for it past Ray's graceful-shutdown limit, yielding to the training thread that
+    was still running. Every path that needs a checkpoint finished waits for its Future.
+    """
+
+    def __init__(self, name: str):
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self.native_id: int = self._thread.native_id
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._work.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        """The thread ends after the work already handed to it."""
+        self._work.put(None)
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001  (the Future carries it to whoever waits)
+                    future.set_exception(exc)
+
+
 @dataclass
 class Timing:
     """What the last checkpoint cost: on the training thread, and in the background."""
@@ -112,7 +244,9 @@ class Checkpointer:
         self.after_report = after_report
         self.last_at = float("-inf")
         self.timing = Timing()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="etrain-checkpoint")
+        self._thread = BackgroundThread("etrain-checkpoint")
+        self._yielding = Yielding(self._thread.native_id)
+        self._write_fs = None  # the run's filesystem, writing in the calling thread
         self._pending: Future | None = None
         self._retention_known: dict[str, ckpt.Kept] = {}  # complete checkpoints retention has read
 
@@ -124,6 +258,8 @@ class Checkpointer:
     def _gap_ok(self) -> bool:
         """Rank 0 decides, every rank agrees (one broadcast, at interval steps only)."""
         in_flight = self._pending is not None and not self._pending.done()
+        if in_flight:
+            self._yielding.hurry()  # an interval went by while it yielded: it no longer waits for idle time
         ok = interval_checkpoint_ok(time.monotonic() - self.last_at, self.min_gap_s, in_flight)
         if self.world == 1:
             return ok
@@ -152,12 +288,15 @@ class Checkpointer:
             self._write_and_report(done, snapshot, dict(metrics), kind is Kind.JIT, then)
             self.timing.blocked_s += time.perf_counter() - sync_at
         else:
-            self._pending = self._pool.submit(self._in_background, done, snapshot, dict(metrics), then)
+            self._yielding.before_work()
+            self._pending = self._thread.submit(self._in_background, done, snapshot, dict(metrics), then)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Until the checkpoint in flight is reported; its error (or TimeoutError), if any, is raised here."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            if not pending.done():
+                self._yielding.hurry()  # training waits for it now: no longer only the idle time
             pending.result(timeout=timeout_s)
 
     def settle(self, timeout_s: float | None = SETTLE_TIMEOUT_S) -> None:
@@ -175,7 +314,10 @@ class Checkpointer:
                                  type(exc).__name__, exc)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Whatever is still in flight (a report that outlived ``settle``) finishes at its own policy."""
+        self._yielding.hurry()
+        self._yielding.stop()
+        self._thread.close()
 
     def _in_background(self, done: int, state: dict | None, metrics: dict, then: Callable[[], None]) -> None:
         with short_gil_slices():
@@ -189,35 +331,39 @@ class Checkpointer:
         from cluster.ray_adapter import run_storage_filesystem
 
         failed: Exception | None = None
-        checkpoint = None
-        if state is not None:
-            # Through the run's own filesystem, the one Ray records the checkpoint on (its endpoint
-            # and region are the driver's, as for Ray's own upload).
-            fs, path = run_storage_filesystem(), posixpath.join(self.run_path, ckpt.dir_name(done))
-            try:
-                manifest = write_with_retries(fs, path, state, self.spec.checkpoint.file_name(done), metrics)
-                self._retention_known[path] = ckpt.kept(manifest, self.spec.checkpoint.keep_best_metric, done)
-                checkpoint = Checkpoint(path, filesystem=fs)
-            except Exception as exc:  # re-raised below, after the report every other rank waits in
-                failed = exc
+        with self._yielding.idle():  # none of this starts a thread (writes in this one, see below)
+            checkpoint = None
+            if state is not None:
+                # Through the run's own filesystem, the one Ray records the checkpoint on (its endpoint
+                # and region are the driver's, as for Ray's own upload), writing in this thread.
+                fs, path = run_storage_filesystem(), posixpath.join(self.run_path, ckpt.dir_name(done))
+                if self._write_fs is None:
+                    self._write_fs = foreground(fs)
+                try:
+                    manifest = write_with_retries(self._write_fs, path, state, self.spec.checkpoint.file_name(done),
+                                                  metrics)
+                    self._retention_known[path] = ckpt.kept(manifest, self.spec.checkpoint.keep_best_metric, done)
+                    checkpoint = Checkpoint(path, filesystem=fs)
+                except Exception as exc:  # re-raised below, after the report every other rank waits in
+                    failed = exc
 
-        # The files are complete where Ray keeps its checkpoints: Ray only records them. In the
-        # background its thread queues the record for the controller's next poll and this thread
-        # goes on; a just-in-time or sync checkpoint waits until the controller has it.
-        if self.background and not jit:  # Ray's default for ASYNC deletes the folder once "uploaded"
-            how = {"checkpoint_upload_mode": CheckpointUploadMode.ASYNC, "checkpoint_upload_fn": already_there,
-                   "delete_local_checkpoint_after_upload": False}
-        else:
-            how = {"checkpoint_upload_mode": CheckpointUploadMode.NO_UPLOAD}
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done), **how)
-        if failed is not None:
-            raise failed
-        self.after_report(done, jit)
-        if self.rank == 0:
+            # The files are complete where Ray keeps its checkpoints: Ray only records them. In the
+            # background its thread queues the record for the controller's next poll and this thread
+            # goes on; a just-in-time or sync checkpoint waits until the controller has it.
+            if self.background and not jit:  # Ray's default for ASYNC deletes the folder once "uploaded"
+                how = {"checkpoint_upload_mode": CheckpointUploadMode.ASYNC, "checkpoint_upload_fn": already_there,
+                       "delete_local_checkpoint_after_upload": False}
+            else:
+                how = {"checkpoint_upload_mode": CheckpointUploadMode.NO_UPLOAD}
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done), **how)
+            if failed is not None:
+                raise failed
+            self.after_report(done, jit)
+        if self.rank == 0:  # pyarrow's listing and deletes use its shared I/O threads: not while idle
             c = self.spec.checkpoint
             ckpt.prune(self.root.fs, self.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode,
                        known=self._retention_known)
-        then()
+        then()  # the observer's writes (its TensorBoard writer starts a thread)
 
 
 WRITE_ATTEMPTS = 3  # as Ray's own upload tried a checkpoint: S3's 503 SlowDown comes in spells
@@ -240,6 +386,18 @@ def write_with_retries(fs, path: str, state: dict, file_name: str, metrics: dict
                                  posixpath.basename(path), exc, attempt + 1, WRITE_ATTEMPTS, attempt)
             time.sleep(attempt)
     raise AssertionError("unreachable")
+
+
+def foreground(fs):
+    """``fs`` with S3 writes done in the calling thread: with pyarrow's background writes each
+    upload is a task for its shared I/O threads, and one started for it by a yielding thread
+    would stay idle-class. Other filesystems write in the calling thread already."""
+    import pyarrow.fs as pafs
+
+    if not isinstance(fs, pafs.S3FileSystem):
+        return fs
+    rebuild, (options,) = fs.__reduce__()
+    return rebuild({**options, "background_writes": False})
 
 
 def already_there(checkpoint, dir_name: str):

@@ -139,7 +139,7 @@ def settling_checkpointer(work):
 
     spec = validate({"name": "settle", "checkpoint": {"interval": 5}})
     c = Checkpointer(spec, None, "run", 0, 1, torch.device("cpu"), lambda step, jit: None)
-    c._pending = c._pool.submit(work)
+    c._pending = c._thread.submit(work)
     return c
 
 
@@ -173,6 +173,9 @@ def test_settling_logs_a_failed_or_stuck_checkpoint_and_does_not_hang(caplog):
     assert "did not finish: TimeoutError" in caplog.text
     release.set()
     c.close()
+
+
+LINUX_ONLY = pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
 
 
 def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: None):
@@ -277,3 +280,174 @@ def test_a_failed_write_still_joins_rays_report_barrier_then_raises(monkeypatch,
         c.save(9, Kind.JIT, lambda: {"step": 9}, {})
     c.close()
     assert reported == [None]
+
+
+def test_writes_happen_in_the_calling_thread():
+    """pyarrow's background writes would hand each upload to its shared I/O threads."""
+    import pyarrow.fs as pafs
+
+    from trainers.checkpointer import foreground
+
+    s3 = pafs.S3FileSystem(endpoint_override="127.0.0.1:9", scheme="http", allow_delayed_open=True, request_timeout=15)
+    options = foreground(s3).__reduce__()[1][0]
+    assert options["background_writes"] is False and options["allow_delayed_open"] is True
+    assert options["request_timeout"] == 15 and options["endpoint_override"] == "127.0.0.1:9"
+    local = pafs.LocalFileSystem()
+    assert foreground(local) is local
+
+
+@LINUX_ONLY
+def test_the_checkpoint_thread_yields_while_it_writes_and_reports_and_gets_its_policy_back(monkeypatch, tmp_path):
+    """Never for the first checkpoint (threads it starts inherit the policy); from the second on,
+    SCHED_IDLE while it writes, reports and beats, its own policy for retention and the observer's
+    writes (which start threads), and its own policy once training waits for it."""
+    import os
+    import threading
+
+    from trainers.checkpointer import Kind, idle_is_reversible
+
+    if not idle_is_reversible():
+        pytest.skip("this machine does not let a thread leave SCHED_IDLE: the refusal test covers it")
+    seen, started, release = [], threading.Event(), threading.Event()
+
+    def report(metrics, checkpoint=None, **kwargs):
+        seen.append(("report", metrics["n"], os.sched_getscheduler(0)))
+        if metrics["n"] == 3:
+            started.set()
+            assert release.wait(30)
+            seen.append(("hurried", 3, os.sched_getscheduler(0)))
+
+    own = os.sched_getscheduler(0)  # the checkpoint thread was started by this one: it inherited this
+    c = writing_checkpointer(monkeypatch, tmp_path, report,
+                             after=lambda step, jit: seen.append(("beat", step, os.sched_getscheduler(0))))
+    real_hurry = c._yielding.hurry
+    monkeypatch.setattr(c._yielding, "hurry", lambda: (real_hurry(), release.set()))
+    for n in (1, 2):
+        c.save(n, Kind.INTERVAL, lambda: {"step": n}, {"n": n},
+               then=lambda n=n: seen.append(("then", n, os.sched_getscheduler(0))))
+        while not c._pending.done():  # done before anyone waits: no hurry
+            release.wait(0.01)
+        c.wait()
+    c.save(3, Kind.INTERVAL, lambda: {"step": 3}, {"n": 3})
+    assert started.wait(30)
+    c.wait()  # the training thread waits: the thread gets its own policy back
+    c.close()
+    idle = os.SCHED_IDLE
+    assert seen == [("report", 1, own), ("beat", 1, own), ("then", 1, own),
+                    ("report", 2, idle), ("beat", 2, idle), ("then", 2, own),
+                    ("report", 3, idle), ("hurried", 3, own), ("beat", 3, own)]
+
+
+def test_a_checkpoint_still_in_flight_at_the_next_interval_step_is_hurried(monkeypatch):
+    from concurrent.futures import Future
+
+    from trainers.checkpointer import Checkpointer
+
+    c = Checkpointer(validate({"name": "hurry", "checkpoint": {"interval": 5}}), None, "run", 0, 1,
+                     torch.device("cpu"), lambda step, jit: None)
+    hurried = []
+    monkeypatch.setattr(c._yielding, "hurry", lambda: hurried.append(True))
+    c._pending = Future()  # still running
+    assert c._gap_ok() is False and hurried == [True]
+    c._pending = None
+    c.close()
+
+
+@LINUX_ONLY
+def test_where_a_thread_could_not_leave_sched_idle_the_checkpoint_thread_never_enters_it(monkeypatch):
+    """Unprivileged with the usual RLIMIT_NICE of 0 (or root in a container without CAP_SYS_NICE),
+    Linux refuses the way back from SCHED_IDLE: the probe says so, and the thread never yields."""
+    import os
+
+    from trainers import checkpointer
+
+    real = os.sched_setscheduler
+
+    def no_way_back(pid, policy, param):
+        if policy != os.SCHED_IDLE:
+            raise PermissionError(1, "Operation not permitted")
+        return real(pid, policy, param)
+
+    monkeypatch.setattr(os, "sched_setscheduler", no_way_back)
+    assert checkpointer.idle_is_reversible.__wrapped__() is False
+    monkeypatch.setattr(os, "sched_setscheduler", real)
+    monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: False)
+    yielding = checkpointer.Yielding(os.getpid())
+    seen = []
+    for _ in range(3):
+        yielding.before_work()
+        with yielding.idle():
+            seen.append(os.sched_getscheduler(0))
+    assert seen == [os.sched_getscheduler(0)] * 3
+
+
+@LINUX_ONLY
+def test_a_refused_policy_change_turns_yielding_off_and_training_goes_on(monkeypatch, caplog):
+    import os
+
+    from trainers import checkpointer
+
+    monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: True)
+    yielding = checkpointer.Yielding(os.getpid())  # a thread that exists, then a sandbox that says no
+    monkeypatch.setattr(os, "sched_setscheduler", lambda *a: (_ for _ in ()).throw(PermissionError(1, "seccomp")))
+    with caplog.at_level("DEBUG"):
+        for _ in range(2):
+            yielding.before_work()
+            with yielding.idle():
+                pass
+        yielding.hurry()
+    assert yielding.enabled is False
+    assert "checkpoint thread keeps its scheduling: [Errno 1] seccomp" in caplog.text
+
+
+def test_a_worker_that_exits_with_a_checkpoint_in_flight_does_not_wait_for_it():
+    """Ray shuts a worker down gracefully (a finished trial, a driver that is gone) while its
+    training thread still runs: Python's exit must not join a checkpoint thread stuck in a report
+    whose barrier no other rank will join (concurrent.futures' threads are joined at exit)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import threading, torch
+        from trainers.checkpointer import Checkpointer
+        from trainers.config import validate
+        c = Checkpointer(validate({"name": "exit", "checkpoint": {"interval": 5}}), None, "run", 0, 1,
+                         torch.device("cpu"), lambda step, jit: None)
+        c._pending = c._thread.submit(threading.Event().wait)  # never returns
+        print("exiting", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=__import__("pathlib").Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert "exiting" in done.stdout
+
+
+@LINUX_ONLY
+def test_closing_gives_a_yielding_checkpoint_thread_its_policy_back(monkeypatch, tmp_path):
+    """A report that outlived ``settle`` goes on after the attempt ends: not at SCHED_IDLE, where a
+    busy machine would starve it."""
+    import os
+    import threading
+
+    from trainers.checkpointer import Kind, idle_is_reversible
+
+    if not idle_is_reversible():
+        pytest.skip("this machine does not let a thread leave SCHED_IDLE: the refusal test covers it")
+    in_report, release = threading.Event(), threading.Event()
+
+    def report(metrics, checkpoint=None, **kwargs):
+        if metrics["n"] == 2:
+            in_report.set()
+            assert release.wait(30)
+
+    c = writing_checkpointer(monkeypatch, tmp_path, report)
+    own = os.sched_getscheduler(c._thread.native_id)
+    c.save(1, Kind.INTERVAL, lambda: {"step": 1}, {"n": 1})
+    c.wait()
+    c.save(2, Kind.INTERVAL, lambda: {"step": 2}, {"n": 2})
+    assert in_report.wait(30)
+    assert os.sched_getscheduler(c._thread.native_id) == os.SCHED_IDLE
+    c.close()
+    assert os.sched_getscheduler(c._thread.native_id) == own
+    release.set()
