@@ -15,8 +15,9 @@ slice (under SCHED_BATCH, which CPU ranks run at, a waking thread does not preem
 step of the interval slowed down, not just the checkpoint's. An idle-class thread is preempted
 at once and runs in the time the ranks wait for each other. It yields only while it writes,
 reports and beats (work that starts no thread: a thread inherits its creator's policy), and
-gets its policy back the moment training waits for it or finds it still busy at the next
-interval step.
+gets its policy back the moment training waits for it, finds it still busy at the next
+interval step, or ends the attempt. It is a daemon (:class:`BackgroundThread`): a worker that
+Ray shuts down does not wait for it at exit.
 
 A just-in-time checkpoint (a spot notice) is synchronous: it drains the thread (an earlier
 failure there is logged, not raised), then writes and reports before the node goes, on the
