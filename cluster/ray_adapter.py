@@ -194,6 +194,9 @@ def local_preemption_info():
     return get_train_context().preemption_context.preemption_info
 
 
+BATCH_EVERY_THREAD = "SCHED_BATCH, every thread"  # what batch_schedule_worker says when it moved them all
+
+
 def batch_schedule_worker(whole_process: bool) -> str:
     """Called from the training thread of a Ray Train worker: put Ray's main thread (its 10 ms
     signal check), or with ``whole_process`` every thread of the process, under SCHED_BATCH.
@@ -238,7 +241,7 @@ def batch_schedule_worker(whole_process: bool) -> str:
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(tid, policy, param)
         return f"default scheduling (SCHED_BATCH refused: {exc.strerror or exc})"
-    return "SCHED_BATCH, every thread" if whole_process else "SCHED_BATCH, Ray's main thread"
+    return BATCH_EVERY_THREAD if whole_process else "SCHED_BATCH, Ray's main thread"
 
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # ray._private.ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR

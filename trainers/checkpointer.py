@@ -136,9 +136,9 @@ class Yielding:
     the rest, and its own policy the moment training waits for it. Never for its first piece of
     work: the threads that one starts (Ray's report thread) keep the normal policy."""
 
-    def __init__(self, tid: int):
+    def __init__(self, tid: int, wanted: bool):
         self.tid = tid
-        self.enabled = idle_is_reversible()
+        self.enabled = wanted and idle_is_reversible()
         self.own = (os.sched_getscheduler(tid), os.sched_getparam(tid)) if self.enabled else None
         self.started = 0
         self._hurried = False
@@ -222,6 +222,7 @@ class BackgroundThread:
                     future.set_result(fn(*args))
                 except BaseException as exc:  # noqa: BLE001  (the Future carries it to whoever waits)
                     future.set_exception(exc)
+            del item, future, fn, args  # the snapshot goes now, not when the next one is handed over
 
 
 @dataclass
@@ -236,8 +237,12 @@ class Checkpointer:
     """Owns cadence, the background write/report, JIT checkpoints and retention."""
 
     def __init__(self, spec, root, run_path: str, rank: int, world: int, device: torch.device,
-                 after_report: Callable[[int, bool], None]):
-        """``after_report(step, jit)``: run after each report (the heartbeat), on the reporting thread."""
+                 after_report: Callable[[int, bool], None], yield_cpu: bool = False):
+        """``after_report(step, jit)``: run after each report (the heartbeat), on the reporting thread.
+        ``yield_cpu``: the ranks run wholly under SCHED_BATCH, where a waking rank thread does not preempt
+        the checkpoint thread (CPU training): only there does the thread yield. Elsewhere a waking thread
+        preempts it anyway, and an idle-class thread that holds the GIL on a busy machine would make the
+        training thread wait for the little CPU time SCHED_IDLE gets."""
         c = spec.checkpoint
         self.interval_steps, self.min_gap_s, self.background = c.interval, c.min_interval_s, c.upload == "async"
         self.spec, self.root, self.run_path = spec, root, run_path
@@ -246,7 +251,7 @@ class Checkpointer:
         self.last_at = float("-inf")
         self.timing = Timing()
         self._thread = BackgroundThread("etrain-checkpoint")
-        self._yielding = Yielding(self._thread.native_id)
+        self._yielding = Yielding(self._thread.native_id, yield_cpu)
         self._write_fs = None  # the run's filesystem, writing in the calling thread
         self._pending: Future | None = None
         self._retention_known: dict[str, ckpt.Kept] = {}  # complete checkpoints retention has read

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.metrics import node_kind
-from cluster.ray_adapter import batch_schedule_worker
+from cluster.ray_adapter import BATCH_EVERY_THREAD, batch_schedule_worker
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.checkpointer import Checkpointer, Kind
@@ -322,7 +322,8 @@ class Trainer:
             self.observer.interruptions(known)
 
         after_report = self.pulse.checkpointed if self.pulse else (lambda step, jit: None)
-        self.checkpointer = Checkpointer(spec, self.root, self.run_path, rank, self.world, self.device, after_report)
+        self.checkpointer = Checkpointer(spec, self.root, self.run_path, rank, self.world, self.device, after_report,
+                                         yield_cpu=self.scheduling == BATCH_EVERY_THREAD)
 
     # -------------------------------------------------------------- the loop
 

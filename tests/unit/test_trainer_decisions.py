@@ -178,7 +178,7 @@ def test_settling_logs_a_failed_or_stuck_checkpoint_and_does_not_hang(caplog):
 LINUX_ONLY = pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
 
 
-def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: None):
+def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: None, yield_cpu=True):
     """A rank-0, world-1 Checkpointer on local storage whose ``ray.train.report`` is ``report``."""
     import pyarrow.fs as pafs
     import ray.train
@@ -191,7 +191,8 @@ def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: 
     monkeypatch.setattr(ray_adapter, "run_storage_filesystem", lambda: pafs.LocalFileSystem())
     root = open_root(str(tmp_path))
     spec = validate({"name": "writes", "checkpoint": {"interval": 5, "storage_root": str(tmp_path)}})
-    return Checkpointer(spec, root, root.path("writes", "checkpoints"), 0, 1, torch.device("cpu"), after)
+    return Checkpointer(spec, root, root.path("writes", "checkpoints"), 0, 1, torch.device("cpu"), after,
+                        yield_cpu=yield_cpu)
 
 
 def test_a_checkpoint_is_in_place_before_ray_hears_of_it_and_ray_is_told_to_keep_it(monkeypatch, tmp_path):
@@ -372,7 +373,7 @@ def test_where_a_thread_could_not_leave_sched_idle_the_checkpoint_thread_never_e
     assert checkpointer.idle_is_reversible.__wrapped__() is False
     monkeypatch.setattr(os, "sched_setscheduler", real)
     monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: False)
-    yielding = checkpointer.Yielding(os.getpid())
+    yielding = checkpointer.Yielding(os.getpid(), True)
     seen = []
     for _ in range(3):
         yielding.before_work()
@@ -388,7 +389,7 @@ def test_a_refused_policy_change_turns_yielding_off_and_training_goes_on(monkeyp
     from trainers import checkpointer
 
     monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: True)
-    yielding = checkpointer.Yielding(os.getpid())  # a thread that exists, then a sandbox that says no
+    yielding = checkpointer.Yielding(os.getpid(), True)  # a thread that exists, then a sandbox that says no
     monkeypatch.setattr(os, "sched_setscheduler", lambda *a: (_ for _ in ()).throw(PermissionError(1, "seccomp")))
     with caplog.at_level("DEBUG"):
         for _ in range(2):
@@ -451,3 +452,43 @@ def test_closing_gives_a_yielding_checkpoint_thread_its_policy_back(monkeypatch,
     c.close()
     assert os.sched_getscheduler(c._thread.native_id) == own
     release.set()
+
+
+@LINUX_ONLY
+def test_where_ranks_are_not_wholly_batch_scheduled_the_checkpoint_thread_never_yields(monkeypatch, tmp_path):
+    """A GPU rank's training thread (or a rank where SCHED_BATCH was refused) preempts the checkpoint
+    thread on waking anyway; there an idle-class thread would only risk holding the GIL while starved."""
+    import os
+
+    from trainers.checkpointer import Kind
+
+    policies = []
+    c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: policies.append(
+        os.sched_getscheduler(0)), yield_cpu=False)
+    for n in (1, 2, 3):
+        c.save(n, Kind.INTERVAL, lambda n=n: {"step": n}, {"n": n})
+        c.wait()
+    c.close()
+    assert policies == [os.sched_getscheduler(0)] * 3 and os.SCHED_IDLE not in policies
+
+
+def test_the_checkpoint_thread_lets_go_of_a_snapshot_once_it_is_written():
+    """Not when the next one is handed over: rank 0 would hold two copies of its state at once."""
+    import time
+    import weakref
+
+    from trainers.checkpointer import BackgroundThread
+
+    class Snapshot:
+        pass
+
+    thread = BackgroundThread("etrain-test")
+    snapshot = Snapshot()
+    gone = weakref.ref(snapshot)
+    thread.submit(lambda s: None, snapshot).result(timeout=30)
+    del snapshot
+    deadline = time.monotonic() + 30
+    while gone() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    thread.close()
+    assert gone() is None
