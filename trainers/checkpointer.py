@@ -9,10 +9,11 @@ beats the heartbeat and flushes the metrics history. One thread per rank keeps
 Ray's collectives in the same order on every rank; while it is busy, an interval checkpoint
 is left to the next interval step rather than stall training.
 
-That thread yields the CPU to training (Linux's SCHED_IDLE, :class:`Yielding`): DDP ranks move
-in lockstep, and a rank's thread woken by a collective waited behind the checkpoint thread's
-slice (under SCHED_BATCH, which CPU ranks run at, a waking thread does not preempt), so every
-step of the interval slowed down, not just the checkpoint's. An idle-class thread is preempted
+On CPU ranks that thread yields the CPU to training (Linux's SCHED_IDLE, :class:`Yielding`,
+where the process may leave it again): DDP ranks move in lockstep, and a rank's thread woken
+by a collective waited behind the checkpoint thread's slice (under SCHED_BATCH, which CPU
+ranks run at, a waking thread does not preempt), so every step of the interval slowed down,
+not just the checkpoint's. An idle-class thread is preempted
 at once and runs in the time the ranks wait for each other. It yields only while it writes,
 reports and beats (work that starts no thread: a thread inherits its creator's policy), and
 gets its policy back the moment training waits for it, finds it still busy at the next
