@@ -408,6 +408,7 @@ def test_a_worker_that_exits_with_a_checkpoint_in_flight_does_not_wait_for_it():
     import subprocess
     import sys
     import textwrap
+    from pathlib import Path
 
     script = textwrap.dedent("""
         import threading, torch
@@ -419,7 +420,7 @@ def test_a_worker_that_exits_with_a_checkpoint_in_flight_does_not_wait_for_it():
         print("exiting", flush=True)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=__import__("pathlib").Path(__file__).resolve().parents[2])
+                          cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr
     assert "exiting" in done.stdout
 
@@ -460,13 +461,17 @@ def test_where_ranks_are_not_wholly_batch_scheduled_the_checkpoint_thread_never_
     thread on waking anyway; there an idle-class thread would only risk holding the GIL while starved."""
     import os
 
+    from trainers import checkpointer
     from trainers.checkpointer import Kind
 
+    # Where the process could leave SCHED_IDLE: only ``yield_cpu`` keeps the thread from it.
+    monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: True)
     policies = []
     c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: policies.append(
         os.sched_getscheduler(0)), yield_cpu=False)
     for n in (1, 2, 3):
         c.save(n, Kind.INTERVAL, lambda n=n: {"step": n}, {"n": n})
+        c._pending.result(timeout=30)  # done before anyone waits: a wait would hurry it out of yielding
         c.wait()
     c.close()
     assert policies == [os.sched_getscheduler(0)] * 3 and os.SCHED_IDLE not in policies
