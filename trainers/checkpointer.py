@@ -3,11 +3,18 @@
 At a checkpoint step every rank copies what it must (rank 0: the full state, to CPU memory,
 pinned when it lives on a GPU) and goes back to training. A background thread per rank then
 streams the files straight to their place in storage (rank 0: no local copy for Ray to read
-back, upload and delete), calls ``ray.train.report`` once they are complete (a barrier on
-every rank, paid off the step path; Ray only records the checkpoint), prunes old checkpoints,
-beats the heartbeat and flushes the metrics history. One thread per rank keeps
-Ray's collectives in the same order on every rank; while it is busy, an interval checkpoint
-is left to the next interval step rather than stall training.
+back, upload and delete) and beats the heartbeat. Every checkpoint is then durable: a restart
+restores the newest complete one by listing storage, whatever Ray was told.
+
+The bookkeeping around it is done at most once per ``checkpoint.report_interval_s``
+(:func:`report_due`), and always for a final or just-in-time checkpoint: ``ray.train.report``
+(a barrier on every rank, paid off the step path; Ray only records the checkpoint, and takes
+one record per controller poll), retention, and the observer's flush (metrics history,
+TensorBoard, cost). Checkpoints every fraction of a second would otherwise pay a Ray round trip
+and a dozen storage requests each; the history rows not yet flushed ride in the checkpoint, so
+a restart loses none. One thread per rank keeps Ray's collectives in the same order on every
+rank; while it is busy, an interval checkpoint is left to the next interval step rather than
+stall training.
 
 On CPU ranks that thread yields the CPU to training (Linux's SCHED_IDLE, :class:`Yielding`,
 where the process may leave it again): DDP ranks move in lockstep, and a rank's thread woken
@@ -68,6 +75,16 @@ def checkpoint_kind(done: int, stop: int, interval_steps: int, gap_ok: bool, pre
 # How long a failed attempt waits for its checkpoint in flight to be reported: a report waits for
 # the controller's next poll (~2 s) after the upload.
 SETTLE_TIMEOUT_S = 30.0
+
+
+def report_due(kind: Kind, since_report_s: float, report_interval_s: float) -> bool:
+    """Whether a checkpoint is reported to Ray, retention runs and the observer flushes.
+
+    A final or just-in-time checkpoint always is (Ray's result, and what outlives the node); an
+    interval one when ``report_interval_s`` has passed since the last report. The ones between
+    are written and restorable all the same.
+    """
+    return kind is not Kind.INTERVAL or since_report_s >= report_interval_s
 
 
 def interval_checkpoint_ok(since_last_s: float, min_gap_s: float, previous_in_flight: bool) -> bool:
@@ -238,18 +255,21 @@ class Checkpointer:
     """Owns cadence, the background write/report, JIT checkpoints and retention."""
 
     def __init__(self, spec, root, run_path: str, rank: int, world: int, device: torch.device,
-                 after_report: Callable[[int, bool], None], yield_cpu: bool = False):
-        """``after_report(step, jit)``: run after each report (the heartbeat), on the reporting thread.
+                 after_write: Callable[[int, bool], None], yield_cpu: bool = False):
+        """``after_write(step, jit)``: run once each checkpoint is written (and reported, when it is): the
+        heartbeat, on the checkpoint thread.
         ``yield_cpu``: the ranks run wholly under SCHED_BATCH, where a waking rank thread does not preempt
         the checkpoint thread (CPU training): only there does the thread yield. Elsewhere a waking thread
         preempts it anyway, and an idle-class thread that holds the GIL on a busy machine would make the
         training thread wait for the little CPU time SCHED_IDLE gets."""
         c = spec.checkpoint
         self.interval_steps, self.min_gap_s, self.background = c.interval, c.min_interval_s, c.upload == "async"
+        self.report_interval_s = c.report_interval_s
         self.spec, self.root, self.run_path = spec, root, run_path
         self.rank, self.world, self.device = rank, world, device
-        self.after_report = after_report
-        self.last_at = float("-inf")
+        self.after_write = after_write
+        self.last_at = self.reported_at = float("-inf")
+        self._report_next = True  # rank 0's word, at the last interval step: report the interval checkpoint
         self.timing = Timing()
         self._thread = BackgroundThread("etrain-checkpoint")
         self._yielding = Yielding(self._thread.native_id, yield_cpu)
@@ -263,43 +283,53 @@ class Checkpointer:
         return checkpoint_kind(done, stop, self.interval_steps, gap_ok, preempted, stop_requested)
 
     def _gap_ok(self) -> bool:
-        """Rank 0 decides, every rank agrees (one broadcast, at interval steps only)."""
+        """Rank 0 decides whether to take it and whether to report it; every rank agrees (one
+        broadcast, at interval steps only)."""
         in_flight = self._pending is not None and not self._pending.done()
         if in_flight:
             self._yielding.hurry()  # an interval went by while it yielded: it no longer waits for idle time
-        ok = interval_checkpoint_ok(time.monotonic() - self.last_at, self.min_gap_s, in_flight)
-        if self.world == 1:
-            return ok
-        due = torch.tensor([float(ok)], device=self.device)
-        dist.broadcast(due, src=0)
-        return bool(due.item())
+        now = time.monotonic()
+        ok = interval_checkpoint_ok(now - self.last_at, self.min_gap_s, in_flight)
+        report = report_due(Kind.INTERVAL, now - self.reported_at, self.report_interval_s)
+        if self.world > 1:
+            due = torch.tensor([float(ok), float(report)], device=self.device)
+            dist.broadcast(due, src=0)
+            ok, report = bool(due[0].item()), bool(due[1].item())
+        self._report_next = report
+        return ok
 
     def save(self, done: int, kind: Kind, state: Callable[[], dict] | None, metrics: dict,
-             then: Callable[[], None] = lambda: None) -> None:
-        """Take a checkpoint at step ``done``. ``state`` builds rank 0's state (other ranks: None);
-        ``then`` runs after the report, on the same thread (the observer's writes to storage)."""
+             flush: Callable[[], Callable[[], None]] = lambda: lambda: None) -> None:
+        """Take a checkpoint at step ``done``. ``state`` builds rank 0's state (other ranks: None).
+        ``flush``, for a checkpoint that is reported: takes what the observer writes (on the training
+        thread, before the state, which then carries only what is not flushed) and returns the
+        writes, run after the report on the same thread."""
+        report = kind is not Kind.INTERVAL or self._report_next
         started = time.perf_counter()
         if kind is Kind.JIT:
             self.settle(timeout_s=None)  # an earlier failed upload must not cost the notice its checkpoint
         else:
             self.wait()
         waited = time.perf_counter() - started
+        writes = flush() if report else None
         snap_at = time.perf_counter()
         snapshot = to_cpu(state(), pin=self.device.type == "cuda") if state is not None else None
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.timing = Timing(snapshot_s=time.perf_counter() - snap_at, blocked_s=waited)
         self.last_at = time.monotonic()
+        if report:
+            self.reported_at = self.last_at
         if kind is Kind.JIT or not self.background:
             sync_at = time.perf_counter()
-            self._write_and_report(done, snapshot, dict(metrics), kind is Kind.JIT, then)
+            self._write_and_report(done, snapshot, dict(metrics), kind is Kind.JIT, writes)
             self.timing.blocked_s += time.perf_counter() - sync_at
         else:
             self._yielding.before_work()
-            self._pending = self._thread.submit(self._in_background, done, snapshot, dict(metrics), then)
+            self._pending = self._thread.submit(self._in_background, done, snapshot, dict(metrics), writes)
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Until the checkpoint in flight is reported; its error (or TimeoutError), if any, is raised here."""
+        """Until the checkpoint in flight is written (and reported); its error (or TimeoutError), if any, is raised here."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             if not pending.done():
@@ -326,12 +356,14 @@ class Checkpointer:
         self._yielding.stop()
         self._thread.close()
 
-    def _in_background(self, done: int, state: dict | None, metrics: dict, then: Callable[[], None]) -> None:
+    def _in_background(self, done: int, state: dict | None, metrics: dict,
+                       writes: Callable[[], None] | None) -> None:
         with short_gil_slices():
-            self._write_and_report(done, state, metrics, False, then)
+            self._write_and_report(done, state, metrics, False, writes)
 
     def _write_and_report(self, done: int, state: dict | None, metrics: dict, jit: bool,
-                          then: Callable[[], None]) -> None:
+                          writes: Callable[[], None] | None) -> None:
+        """Write the checkpoint; with ``writes`` (the observer's), report it, prune, and run them."""
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -354,6 +386,11 @@ class Checkpointer:
                 except Exception as exc:  # re-raised below, after the report every other rank waits in
                     failed = exc
 
+            if writes is None:  # not reported: no barrier for the other ranks to wait in
+                if failed is not None:
+                    raise failed
+                self.after_write(done, jit)
+                return
             # The files are complete where Ray keeps its checkpoints: Ray only records them. In the
             # background its thread queues the record for the controller's next poll and this thread
             # goes on; a just-in-time or sync checkpoint waits until the controller has it.
@@ -365,12 +402,12 @@ class Checkpointer:
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=ckpt.dir_name(done), **how)
             if failed is not None:
                 raise failed
-            self.after_report(done, jit)
+            self.after_write(done, jit)
         if self.rank == 0:  # pyarrow's listing and deletes use its shared I/O threads: not while idle
             c = self.spec.checkpoint
             ckpt.prune(self.root.fs, self.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode,
                        known=self._retention_known)
-        then()  # the observer's writes (its TensorBoard writer starts a thread)
+        writes()  # the observer's (its TensorBoard writer starts a thread)
 
 
 WRITE_ATTEMPTS = 3  # as Ray's own upload tried a checkpoint: S3's 503 SlowDown comes in spells

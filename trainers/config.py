@@ -195,8 +195,12 @@ class CheckpointConfig(Strict):
     keep_best_mode: Literal["min", "max"] = "min"
     upload: Literal["async", "sync"] = "async"
     min_interval_s: float = Field(
-        5.0, ge=0, description="skip an interval checkpoint taken sooner than this after the last one: Ray Train "
-        "registers about one report per 2 s, and faster async uploads would queue up and lag behind")
+        5.0, ge=0, description="skip an interval checkpoint taken sooner than this after the last one (each copies "
+        "the state and writes it); 0: one at every interval")
+    report_interval_s: float = Field(
+        2.0, ge=0, description="report a checkpoint to Ray Train, prune old ones and flush the metrics history at "
+        "most this often (Ray takes about one report per controller poll); the checkpoints between are written and "
+        "restorable all the same, and the final and just-in-time ones are always reported. 0: every one")
     preemption_check_steps: int | Literal["auto"] = Field(
         "auto", description="steps between checks for a spot notice (and a stop request): each rank reads its own "
                             "notice and the ranks agree in one small all-reduce (with the loss window and the stop "

@@ -1,8 +1,9 @@
 """A job's step metrics over time, kept in storage for the API, the web page and TensorBoard.
 
 Rank 0 buffers a row at every log step and writes the buffer as one small file per
-checkpoint (``<job>/metrics/<first step>-<last step>.jsonl``), so a run writes O(steps)
-bytes in all and nothing is appended in place (S3 cannot append). Steps re-done after an
+reported checkpoint (``<job>/metrics/<first step>-<last step>.jsonl``), so a run writes
+O(steps) bytes in all and nothing is appended in place (S3 cannot append). A checkpoint carries
+the rows not yet written, and the attempt that restores it writes them. Steps re-done after an
 interruption appear twice; readers keep the row written last.
 """
 
@@ -26,8 +27,16 @@ class MetricsHistory:
     def add(self, metrics: dict) -> None:
         self.rows.append({"time": time.time(), **{k: metrics[k] for k in ROW_KEYS if k in metrics}})
 
+    def carry(self, row: dict) -> None:
+        """A row from before a restart (a restored checkpoint carried it), as it was recorded."""
+        self.rows.append(dict(row))
+
+    def pending(self) -> list[dict]:
+        """Copies of the rows not yet written (for a checkpoint to carry)."""
+        return [dict(r) for r in self.rows]
+
     def flush(self) -> None:
-        """Write the rows since the last flush as one file; called at checkpoints and at the end."""
+        """Write the rows since the last flush as one file; called at reported checkpoints and at the end."""
         self.write(self.take())
 
     def take(self) -> list[dict]:

@@ -92,6 +92,10 @@ class Observer:
         p = spec.training.profile
         self.profile_range = (p.start_step, p.start_step + p.num_steps) if p and rank == 0 else None
         self.profiler = None
+        if self.history is not None:  # rows the restored checkpoint carried: no flush wrote them
+            for row in restored.get("unflushed_rows") or []:
+                self.history.carry(row)
+                self.tb.scalars(row)
 
     # ------------------------------------------------------------ per step (cheap)
 
@@ -137,8 +141,12 @@ class Observer:
         return self.productive_base_s + (time.perf_counter() - self.attempt_start)
 
     def checkpoint_state(self) -> dict:
-        """Running totals to carry in the checkpoint (steps after it are lost, so is their time)."""
-        return {"productive_s": self.productive_s()}
+        """Running totals to carry in the checkpoint (steps after it are lost, so is their time), and
+        rank 0's history rows that no flush has written yet (a checkpoint not reported flushes none)."""
+        state = {"productive_s": self.productive_s()}
+        if self.history is not None:
+            state["unflushed_rows"] = self.history.pending()
+        return state
 
     def open_cost_segment(self, run_id: str, start: float, previous_end: float | None) -> None:
         """Rank 0, at an attempt's first step: bill this attempt's nodes from ``start`` (the

@@ -321,8 +321,8 @@ class Trainer:
             known = self.root.read_json(self.job, INTERRUPTIONS_FILE) if self.root.exists(self.job, INTERRUPTIONS_FILE) else []
             self.observer.interruptions(known)
 
-        after_report = self.pulse.checkpointed if self.pulse else (lambda step, jit: None)
-        self.checkpointer = Checkpointer(spec, self.root, self.run_path, rank, self.world, self.device, after_report,
+        after_write = self.pulse.checkpointed if self.pulse else (lambda step, jit: None)
+        self.checkpointer = Checkpointer(spec, self.root, self.run_path, rank, self.world, self.device, after_write,
                                          yield_cpu=self.scheduling == BATCH_EVERY_THREAD)
 
     # -------------------------------------------------------------- the loop
@@ -514,7 +514,7 @@ class Trainer:
         # A collective on every rank; its record goes into this checkpoint (a skipped one would break the chain).
         sample_ids = accounting.gather(self.feed, self.world, done) if self.spec.data.record_sample_ids else None
         self.checkpointer.save(done, kind, self.state_at(done, metrics, sample_ids) if self.rank == 0 else None, metrics,
-                               then=self.observer.flusher())
+                               flush=self.observer.flusher)
         timing = self.checkpointer.timing  # what the training thread paid: the copy, and any wait
         self.observer.checkpoint_times(timing.snapshot_s, timing.blocked_s)
 

@@ -271,8 +271,11 @@ def test_resume_on_fewer_workers_keeps_step_and_global_batch(on_s3, tmp_path):
 
 def flaky_spec(root, name, marker, max_failures):
     return validate({
-        "name": name, "training": {"batch_size": 30, "learning_rate": 0.05, "max_steps": 20},
-        "checkpoint": {"interval": 5, "storage_root": str(root)},
+        "name": name, "training": {"batch_size": 30, "learning_rate": 0.05, "max_steps": 20, "log_interval_steps": 5},
+        # Checkpoints at 5 (the first: reported) and 10 (written, and reported only with a later one),
+        # each complete before the next step (sync), then the failure at step 12.
+        "checkpoint": {"interval": 5, "min_interval_s": 0, "report_interval_s": 3600, "upload": "sync",
+                       "storage_root": str(root)},
         "fault_tolerance": {"max_failures": max_failures},
         "cost": {"prices_per_hour": {"local": {"on_demand": 3600.0}}},  # a dollar per node-second
         "model": {"factory": "userpkg:flaky_model", "options": {"marker": str(marker), "fail_at": 12}},
@@ -284,7 +287,8 @@ def flaky_spec(root, name, marker, max_failures):
 def flaky(ray_local, tmp_path_factory) -> tuple[Path, int, dict]:
     """A job of the user's own model and data factories (the model with options) whose model
     raises once, at its 12th forward, with one user failure allowed: it fails, resumes from a
-    checkpoint and trains to its target. The factories test and the budget test read it."""
+    checkpoint Ray was never told of and trains to its target. The factories test and the budget
+    test read it."""
     root = tmp_path_factory.mktemp("flaky")
     return (root, *run_job(flaky_spec(root, "flaky", root / "marker", max_failures=1)))
 
@@ -304,12 +308,16 @@ def test_user_factories_and_user_loop(flaky, tmp_path):
 
 
 def test_user_error_uses_the_budget_and_resumes_from_checkpoint(flaky):
+    from trainers.history import read_history
+
     root, code, summary = flaky
     assert code == EXIT_OK, summary
     (record,) = summary["interruptions"]
     assert record["cause"] == "user error"
-    # Never from scratch: from checkpoint 10, or 5 if 10's async upload had not landed yet.
-    assert record["restored_step"] in (5, 10) and record["steps_lost"] <= 6, record
+    # From checkpoint 10, written but not yet reported to Ray: restores go by what storage holds.
+    assert record["restored_step"] == 10 and record["steps_lost"] <= 2, record
+    # The row logged at step 10 was flushed by no report: checkpoint 10 carried it to the next attempt.
+    assert [row["step"] for row in read_history(open_root(str(root)), "flaky")] == [5, 10, 15, 20]
     stored = json.loads((root / "flaky" / "interruptions.json").read_text())
     assert stored[-1]["run_id"] == record["run_id"]
     # Every paid second is billed: the attempts and the recovery between them, without a gap, at

@@ -245,3 +245,45 @@ def test_tensorboard_across_attempts_stores_names_in_upload_order_and_leaves_not
         assert not local.exists(), list(local.rglob("*"))
         time.sleep(0.01)
     assert sorted(order) == order, order
+
+
+def test_history_rows_no_flush_wrote_ride_in_the_checkpoint_and_the_next_attempt_writes_them(tmp_path):
+    """A checkpoint between reports flushes nothing: the rows logged before it go into it, and the
+    attempt that restores it writes them (history and TensorBoard), so a restart leaves no gap.
+    A reported checkpoint takes its rows before the state is built: it carries none twice."""
+    import torch
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cluster.storage import open_root
+    from trainers.config import validate
+    from trainers.history import read_history
+    from trainers.observe import Observer
+
+    spec = validate({"name": "carry", "training": {"max_steps": 30}})
+    root = open_root(str(tmp_path / "storage"))
+
+    def observer(restored):
+        return Observer(spec, root, 0, torch.device("cpu"), 0.0, restored, {}, staging=str(tmp_path / "staging"))
+
+    def log(obs, step):
+        obs.log_step({"step": step, "loss": 1.0 / step, "learning_rate": 0.1, "samples_per_s": 1.0,
+                      "tokens_per_s": 0.0, "world_size": 1}, 1.0)
+
+    first = observer(None)
+    log(first, 10)
+    first.flusher()()  # the reported checkpoint at 10
+    assert first.checkpoint_state()["unflushed_rows"] == []
+    log(first, 20)
+    log(first, 30)
+    state = first.checkpoint_state()  # the checkpoint at 30, not reported; then the attempt dies
+    first.close()
+    assert [r["step"] for r in state["unflushed_rows"]] == [20, 30]
+
+    second = observer(state)
+    log(second, 40)
+    second.flush()
+    second.close()
+    assert [r["step"] for r in read_history(root, "carry")] == [10, 20, 30, 40]
+    acc = EventAccumulator(str(tmp_path / "storage" / "carry" / "tensorboard"))
+    acc.Reload()
+    assert sorted(e.step for e in acc.Scalars("train/loss")) == [10, 20, 30, 40]

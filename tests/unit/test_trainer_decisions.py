@@ -178,7 +178,7 @@ def test_settling_logs_a_failed_or_stuck_checkpoint_and_does_not_hang(caplog):
 LINUX_ONLY = pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
 
 
-def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: None, yield_cpu=True):
+def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: None, yield_cpu=True, **checkpoint):
     """A rank-0, world-1 Checkpointer on local storage whose ``ray.train.report`` is ``report``."""
     import pyarrow.fs as pafs
     import ray.train
@@ -190,7 +190,7 @@ def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: 
     monkeypatch.setattr(ray.train, "report", report)
     monkeypatch.setattr(ray_adapter, "run_storage_filesystem", lambda: pafs.LocalFileSystem())
     root = open_root(str(tmp_path))
-    spec = validate({"name": "writes", "checkpoint": {"interval": 5, "storage_root": str(tmp_path)}})
+    spec = validate({"name": "writes", "checkpoint": {"interval": 5, "storage_root": str(tmp_path), **checkpoint}})
     return Checkpointer(spec, root, root.path("writes", "checkpoints"), 0, 1, torch.device("cpu"), after,
                         yield_cpu=yield_cpu)
 
@@ -221,6 +221,75 @@ def test_a_checkpoint_is_in_place_before_ray_hears_of_it_and_ray_is_told_to_keep
     assert background["checkpoint_upload_mode"].name == "ASYNC" and background["checkpoint_upload_fn"] is already_there
     assert background["delete_local_checkpoint_after_upload"] is False
     assert jit["checkpoint_upload_mode"].name == "NO_UPLOAD"
+
+
+@pytest.mark.parametrize("kind, since_report_s, interval_s, due", [
+    ("INTERVAL", float("inf"), 2.0, True),  # the run's first: Ray hears of the job's progress at once
+    ("INTERVAL", 0.5, 2.0, False),  # written and restorable, reported with a later one
+    ("INTERVAL", 2.0, 2.0, True),
+    ("INTERVAL", 0.0, 0.0, True),  # 0: every one
+    ("FINAL", 0.0, 60.0, True),  # Ray's result, and the last retention round
+    ("JIT", 0.0, 60.0, True),  # what outlives the node
+])
+def test_report_due(kind, since_report_s, interval_s, due):
+    from trainers.checkpointer import Kind, report_due
+
+    assert report_due(Kind[kind], since_report_s, interval_s) is due
+
+
+def test_checkpoints_between_reports_are_written_and_beat_but_not_reported_pruned_or_flushed(monkeypatch, tmp_path):
+    """Every interval checkpoint is complete in storage (a restart restores it by listing); Ray's
+    record, retention and the observer's flush wait for the report interval, and a final
+    checkpoint catches them all up."""
+    import pyarrow.fs as pafs
+
+    from trainers import checkpoint as ckpt
+    from trainers import checkpointer
+    from trainers.checkpointer import Kind
+
+    clock = [1000.0]
+    monkeypatch.setattr(checkpointer.time, "monotonic", lambda: clock[0])
+    reports, flushes, beats = [], [], []
+    c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reports.append(metrics["n"]),
+                             after=lambda step, jit: beats.append(step), min_interval_s=0, report_interval_s=10,
+                             num_to_keep=1)
+    for done, advance_s in ((5, 0.0), (10, 3.0), (15, 3.0), (20, 5.0), (25, 1.0)):
+        clock[0] += advance_s
+        kind = c.kind(done, 30, preempted=False, stop_requested=False)
+        assert kind is Kind.INTERVAL, done
+        c.save(done, kind, lambda d=done: {"step": d}, {"n": done},
+               flush=lambda d=done: flushes.append(d) or (lambda: flushes.append(("written", d))))
+        c.wait()
+    folder = tmp_path / "writes" / "checkpoints"
+    on_disk = sorted(p.name for p in folder.glob("checkpoint_*"))
+    assert reports == [5, 20] and flushes == [5, ("written", 5), 20, ("written", 20)]
+    assert beats == [5, 10, 15, 20, 25]
+    assert on_disk == [ckpt.dir_name(20), ckpt.dir_name(25)], "retention ran at the report of 20 only"
+    assert ckpt.verify(pafs.LocalFileSystem(), str(folder / ckpt.dir_name(25)))[1] is None
+    assert ckpt.find_restore(pafs.LocalFileSystem(), str(folder))[0].step == 25
+    c.save(30, c.kind(30, 30, preempted=False, stop_requested=False), lambda: {"step": 30}, {"n": 30})
+    c.wait()
+    c.close()
+    assert reports == [5, 20, 30] and sorted(p.name for p in folder.glob("checkpoint_*")) == [ckpt.dir_name(30)]
+
+
+def test_a_failed_write_between_reports_is_raised_at_the_next_wait_without_a_report(monkeypatch, tmp_path):
+    """No other rank waits in a barrier for a checkpoint that is not reported: the error goes
+    straight to the training thread."""
+    from trainers import checkpointer
+    from trainers.checkpointer import Kind
+
+    reports = []
+    c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reports.append(checkpoint),
+                             min_interval_s=0, report_interval_s=3600)
+    c.save(5, c.kind(5, 30, False, False), lambda: {"step": 5}, {})
+    c.wait()
+    monkeypatch.setattr(checkpointer.ckpt, "write", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    c.save(10, c.kind(10, 30, False, False), lambda: {"step": 10}, {})
+    with pytest.raises(OSError, match="disk full"):
+        c.wait()
+    c.close()
+    assert len(reports) == 1
 
 
 def test_a_failed_checkpoint_in_flight_does_not_cost_a_spot_notice_its_own(monkeypatch, tmp_path, caplog):
@@ -325,7 +394,7 @@ def test_the_checkpoint_thread_yields_while_it_writes_and_reports_and_gets_its_p
     monkeypatch.setattr(c._yielding, "hurry", lambda: (real_hurry(), release.set()))
     for n in (1, 2):
         c.save(n, Kind.INTERVAL, lambda: {"step": n}, {"n": n},
-               then=lambda n=n: seen.append(("then", n, os.sched_getscheduler(0))))
+               flush=lambda n=n: lambda: seen.append(("then", n, os.sched_getscheduler(0))))
         while not c._pending.done():  # done before anyone waits: no hurry
             release.wait(0.01)
         c.wait()
