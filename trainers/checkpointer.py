@@ -8,11 +8,11 @@ restores the newest complete one by listing storage, whatever Ray was told.
 
 The bookkeeping around it is done at most once per ``checkpoint.report_interval_s``
 (:func:`report_due`), and always for a final or just-in-time checkpoint: ``ray.train.report``
-(a barrier on every rank, paid off the step path; Ray only records the checkpoint, and takes
-one record per controller poll), retention, and the observer's flush (metrics history,
-TensorBoard, cost). Checkpoints every fraction of a second would otherwise pay a Ray round trip
-and a dozen storage requests each; the history rows not yet flushed ride in the checkpoint, so
-a restart loses none. One thread per rank keeps Ray's collectives in the same order on every
+(a barrier on every rank, paid off the step path; Ray only records the checkpoint), retention
+(so up to a report interval's worth of checkpoints more than ``num_to_keep`` may exist for a
+while), and the observer's flush (metrics history, TensorBoard, cost). Checkpoints every fraction
+of a second would otherwise pay a Ray round trip and a dozen storage requests each. The history
+rows not yet written ride in each checkpoint, so a restart loses none. One thread per rank keeps Ray's collectives in the same order on every
 rank; while it is busy, an interval checkpoint is left to the next interval step rather than
 stall training.
 
@@ -302,8 +302,8 @@ class Checkpointer:
              flush: Callable[[], Callable[[], None]] = lambda: lambda: None) -> None:
         """Take a checkpoint at step ``done``. ``state`` builds rank 0's state (other ranks: None).
         ``flush``, for a checkpoint that is reported: takes what the observer writes (on the training
-        thread, before the state, which then carries only what is not flushed) and returns the
-        writes, run after the report on the same thread."""
+        thread, after the state is built: the checkpoint carries the rows too, as they are written
+        only after the report) and returns the writes, run after the report on the same thread."""
         report = kind is not Kind.INTERVAL or self._report_next
         started = time.perf_counter()
         if kind is Kind.JIT:
@@ -311,9 +311,9 @@ class Checkpointer:
         else:
             self.wait()
         waited = time.perf_counter() - started
-        writes = flush() if report else None
         snap_at = time.perf_counter()
         snapshot = to_cpu(state(), pin=self.device.type == "cuda") if state is not None else None
+        writes = flush() if report else None
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.timing = Timing(snapshot_s=time.perf_counter() - snap_at, blocked_s=waited)

@@ -190,7 +190,8 @@ class CheckpointConfig(Strict):
                     "(/checkpoints/model_{step}.pt), that directory on every node (a shared volume) is the job's folder",
     )
     storage_root: str = Field(default_factory=default_root, description="local directory or s3://bucket/prefix")
-    num_to_keep: int | None = Field(3, gt=0, description="newest complete checkpoints kept (null: all)")
+    num_to_keep: int | None = Field(3, gt=0, description="newest complete checkpoints kept (null: all); pruned at "
+                                    "reports, so between them a few more may exist for up to report_interval_s")
     keep_best_metric: str | None = Field(None, description="also keep the best checkpoint by this metric, e.g. loss")
     keep_best_mode: Literal["min", "max"] = "min"
     upload: Literal["async", "sync"] = "async"
@@ -198,9 +199,10 @@ class CheckpointConfig(Strict):
         5.0, ge=0, description="skip an interval checkpoint taken sooner than this after the last one (each copies "
         "the state and writes it); 0: one at every interval")
     report_interval_s: float = Field(
-        2.0, ge=0, description="report a checkpoint to Ray Train, prune old ones and flush the metrics history at "
-        "most this often (Ray takes about one report per controller poll); the checkpoints between are written and "
-        "restorable all the same, and the final and just-in-time ones are always reported. 0: every one")
+        2.0, ge=0, description="report a checkpoint to Ray Train (a barrier across ranks), prune old ones and flush "
+        "the metrics history at most this often; the checkpoints between (only when min_interval_s is shorter) are "
+        "written and restorable all the same, and the final and just-in-time ones are always reported. 0: every one; "
+        "a sweep's trials default to 0")
     preemption_check_steps: int | Literal["auto"] = Field(
         "auto", description="steps between checks for a spot notice (and a stop request): each rank reads its own "
                             "notice and the ranks agree in one small all-reduce (with the loss window and the stop "

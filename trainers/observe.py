@@ -169,7 +169,7 @@ class Observer:
             self.metrics.interruptions_so_far(records)
 
     def flush(self) -> None:
-        """At checkpoints and at the end: history chunk and TensorBoard events to storage."""
+        """At the end (reported checkpoints use :meth:`flusher`): history chunk and TensorBoard events to storage."""
         self.flusher()()
 
     def flusher(self) -> Callable[[], None]:

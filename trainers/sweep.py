@@ -3,7 +3,9 @@
 A sweep file is a job spec with a ``sweep`` section (or a ``sweep`` section whose ``base``
 names a job spec file). Each trial is that spec with the trial's values set, run by the same
 ``run_job`` as a single job: elastic, spot-tolerant, checkpointed, with the job's global
-batch semantics. Ray Train reports to Tune through ``TuneReportCallback`` at checkpoints.
+batch semantics. Ray Train reports to Tune through ``TuneReportCallback`` at checkpoints: a
+trial reports every one (``checkpoint.report_interval_s`` 0 unless the sweep file sets it), since
+the scheduler decides at reports.
 
 Layout under the storage root::
 
@@ -43,7 +45,7 @@ DOMAINS = {
     "randint": "a whole number between [low, high], both included",
 }
 RANGE_DOMAINS = ("uniform", "loguniform", "randint")
-# What the training loop reports at each checkpoint, and so what a sweep can optimise.
+# What the training loop reports at its checkpoints, and so what a sweep can optimise.
 METRICS = ("loss", "samples_per_s", "steady_samples_per_s", "tokens_per_s", "train_seconds")
 # Trials are compared at equal data seen, so batch sizes compete on the same number of samples.
 TIME_ATTR = "epochs_done"
@@ -297,6 +299,18 @@ def trial_job_name(trial_id: str) -> str:
     return f"trial-{trial_id}".lower()
 
 
+def trial_job_data(base: dict, values: dict[str, Any], name: str, jobs_uri: str) -> dict:
+    """A trial's job spec: its values, its name and folder under the sweep, and a report to Tune at
+    every checkpoint unless the sweep file sets ``checkpoint.report_interval_s`` (the scheduler
+    decides at reports)."""
+    data = trial_spec_data(base, values)
+    data["name"] = name
+    checkpoint = data.setdefault("checkpoint", {})
+    checkpoint["storage_root"] = jobs_uri
+    checkpoint.setdefault("report_interval_s", 0)
+    return data
+
+
 def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
     """One trial, inside Tune: the base spec with this trial's values, run as a job."""
     import ray.tune
@@ -305,10 +319,7 @@ def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
     from trainers.home import job_home
     from trainers.launch import latest_metrics, run_job
 
-    data = trial_spec_data(base, config)
-    data["name"] = trial_job_name(ray.tune.get_context().get_trial_id())
-    data.setdefault("checkpoint", {})["storage_root"] = jobs_uri
-    spec = validate(data)
+    spec = validate(trial_job_data(base, config, trial_job_name(ray.tune.get_context().get_trial_id()), jobs_uri))
     done, _, _ = latest_metrics(job_home(spec))
     if done and done.get("step") == done.get("target_step"):
         ray.tune.report(done)  # finished before the sweep's driver died: report, do not train again
@@ -335,10 +346,7 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
         name = trial_job_name(row["trial"])
         summary = jobs.read_json(name, "summary.json") if jobs.exists(name, "summary.json") else {}
         if not summary or summary.get("status") == "failed":
-            data = trial_spec_data(base, row["params"])
-            data["name"] = name
-            data.setdefault("checkpoint", {})["storage_root"] = jobs.uri
-            spec = validate(data)
+            spec = validate(trial_job_data(base, row["params"], name, jobs.uri))
             metrics, path, _ = latest_metrics(job_home(spec))
             summary = make_summary(spec, job_home(spec), metrics, path, None, row["time_s"])
             if not reached_target(summary):  # torn down after its target, the job was done

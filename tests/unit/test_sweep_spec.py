@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from trainers.config import SpecError
-from trainers.sweep import best_row, load_sweep, render_table, trial_spec_data, tune_space
+from trainers.sweep import best_row, load_sweep, render_table, trial_job_data, trial_spec_data, tune_space
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,6 +126,16 @@ def test_trial_values_never_touch_the_base():
     data = trial_spec_data(base, {"training.batch_size": 32, "data.num_workers": 2})
     assert data == {"training": {"batch_size": 32}, "data": {"num_workers": 2}}
     assert base == {"training": {"batch_size": 64}}
+
+
+def test_a_trial_reports_every_checkpoint_to_tune_unless_the_sweep_says_otherwise():
+    """The scheduler decides at reports: a trial's checkpoints are not coalesced into one report in
+    2 s as a job's are. A sweep file that sets the interval keeps it."""
+    data = trial_job_data({"checkpoint": {"interval": 10}}, {"training.batch_size": 32}, "trial-a", "/sweeps/s/jobs")
+    assert data["checkpoint"] == {"interval": 10, "storage_root": "/sweeps/s/jobs", "report_interval_s": 0}
+    assert data["name"] == "trial-a" and data["training"] == {"batch_size": 32}
+    kept = trial_job_data({"checkpoint": {"report_interval_s": 5}}, {}, "trial-b", "/j")
+    assert kept["checkpoint"]["report_interval_s"] == 5
 
 
 ROWS = [

@@ -257,12 +257,15 @@ def test_checkpoints_between_reports_are_written_and_beat_but_not_reported_prune
         clock[0] += advance_s
         kind = c.kind(done, 30, preempted=False, stop_requested=False)
         assert kind is Kind.INTERVAL, done
-        c.save(done, kind, lambda d=done: {"step": d}, {"n": done},
+        c.save(done, kind, lambda d=done: flushes.append(("state", d)) or {"step": d}, {"n": done},
                flush=lambda d=done: flushes.append(d) or (lambda: flushes.append(("written", d))))
         c.wait()
     folder = tmp_path / "writes" / "checkpoints"
     on_disk = sorted(p.name for p in folder.glob("checkpoint_*"))
-    assert reports == [5, 20] and flushes == [5, ("written", 5), 20, ("written", 20)]
+    # A reported checkpoint's state is built before the flush takes the rows: it carries them too,
+    # as they are written only after the report (a crash in between loses none).
+    assert reports == [5, 20] and flushes == [("state", 5), 5, ("written", 5), ("state", 10), ("state", 15),
+                                              ("state", 20), 20, ("written", 20), ("state", 25)]
     assert beats == [5, 10, 15, 20, 25]
     assert on_disk == [ckpt.dir_name(20), ckpt.dir_name(25)], "retention ran at the report of 20 only"
     assert ckpt.verify(pafs.LocalFileSystem(), str(folder / ckpt.dir_name(25)))[1] is None
@@ -271,6 +274,29 @@ def test_checkpoints_between_reports_are_written_and_beat_but_not_reported_prune
     c.wait()
     c.close()
     assert reports == [5, 20, 30] and sorted(p.name for p in folder.glob("checkpoint_*")) == [ckpt.dir_name(30)]
+
+
+def test_every_rank_follows_rank_zeros_word_on_reporting(monkeypatch, tmp_path):
+    """The report is a barrier: a rank whose own clock says otherwise still reports exactly when
+    rank 0 does (here rank 0 says: take it, do not report; this rank's clock says report)."""
+    from trainers import checkpointer
+    from trainers.checkpointer import Kind
+
+    def rank_zero_says(tensor, src):
+        assert src == 0
+        tensor.copy_(torch.tensor([1.0, 0.0]))
+
+    monkeypatch.setattr(checkpointer.dist, "broadcast", rank_zero_says)
+    reports = []
+    c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reports.append(metrics),
+                             min_interval_s=0, report_interval_s=0)
+    c.rank, c.world = 1, 2
+    kind = c.kind(5, 30, preempted=False, stop_requested=False)
+    assert kind is Kind.INTERVAL
+    c.save(5, kind, None, {})
+    c.wait()
+    c.close()
+    assert reports == []
 
 
 def test_a_failed_write_between_reports_is_raised_at_the_next_wait_without_a_report(monkeypatch, tmp_path):
