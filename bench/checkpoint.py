@@ -210,7 +210,7 @@ def main() -> None:
           f"(pairs: {', '.join(f'{r:.3f}' for r in ratios('local'))})")
     for where, label in (("s3", ""), ("local", " to local disk")):
         every = ratios(where, "every_window")
-        print(f"async checkpoint throughput ratio{label}, every window counted: {statistics.median(every):.3f} "
+        print(f"async checkpoint throughput ratio{label} (every window counted): {statistics.median(every):.3f} "
               f"(pairs: {', '.join(f'{r:.3f}' for r in every)})")
 
 
