@@ -12,9 +12,9 @@ The bookkeeping around it is done at most once per ``checkpoint.report_interval_
 (so up to a report interval's worth of checkpoints more than ``num_to_keep`` may exist for a
 while), and the observer's flush (metrics history, TensorBoard, cost). Checkpoints every fraction
 of a second would otherwise pay a Ray round trip and a dozen storage requests each. The history
-rows not yet written ride in each checkpoint, so a restart loses none. One thread per rank keeps Ray's collectives in the same order on every
-rank; while it is busy, an interval checkpoint is left to the next interval step rather than
-stall training.
+rows not yet written ride in each checkpoint, so a restart loses none. One thread per rank keeps
+Ray's collectives in the same order on every rank; while it is busy, an interval checkpoint is
+left to the next interval step rather than stall training.
 
 On CPU ranks that thread yields the CPU to training (Linux's SCHED_IDLE, :class:`Yielding`,
 where the process may leave it again): DDP ranks move in lockstep, and a rank's thread woken
@@ -329,7 +329,7 @@ class Checkpointer:
             self._pending = self._thread.submit(self._in_background, done, snapshot, dict(metrics), writes)
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Until the checkpoint in flight is written (and reported); its error (or TimeoutError), if any, is raised here."""
+        """Until the checkpoint in flight is written (and reported); its error (or TimeoutError) is raised here."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             if not pending.done():

@@ -32,8 +32,8 @@ class MetricsHistory:
         self.rows.append(dict(row))
 
     def pending(self) -> list[dict]:
-        """Copies of the rows not yet written (for a checkpoint to carry)."""
-        return [dict(r) for r in self.rows]
+        """The rows not yet written, for a checkpoint to carry (its snapshot copies them; a row is never changed)."""
+        return list(self.rows)
 
     def flush(self) -> None:
         """Write the rows since the last flush as one file; called at reported checkpoints and at the end."""
