@@ -199,20 +199,21 @@ class RetentionReadError(Exception):
     """Storage did not answer a read (throttled, timed out): nothing may be concluded from it."""
 
 
-def retention_entry(fs: pafs.FileSystem, path: str, step: int, metric: str | None) -> Kept:
-    """What retention may know of one checkpoint folder, or RetentionReadError.
+def retention_entry(fs: pafs.FileSystem, path: str, step: int, metric: str | None, sizes: dict[str, int]) -> Kept:
+    """What retention may know of one checkpoint folder, or RetentionReadError. ``sizes``: its
+    files' sizes by name, from the round's listing.
 
     Complete means a manifest and every file it lists at its size: a folder copied file by file
     (by an older version of this code through Ray's upload, or by hand) can show its manifest
     before the state file it vouches for. Only a missing (or
     garbled) manifest means incomplete; any other error says nothing about the checkpoint.
     """
+    if MANIFEST not in sizes:
+        return Kept(step, None, False)
     try:
         with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
             manifest = json.loads(f.read())
-        sizes = {posixpath.basename(i.path): i.size
-                 for i in fs.get_file_info(pafs.FileSelector(path, recursive=False))}
-    except (FileNotFoundError, ValueError):  # never completed, or a garbled manifest
+    except (FileNotFoundError, ValueError):  # gone since the listing, or a garbled manifest
         return Kept(step, None, False)
     except OSError as exc:
         raise RetentionReadError(f"{path}: {exc}") from exc
@@ -231,19 +232,29 @@ def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: s
           best_mode: str, say=print, known: dict[str, Kept] | None = None) -> list[int]:
     """Apply :func:`retention_plan` to the run folder; return the steps deleted.
 
+    One recursive listing a round (on S3 one request) gives every folder and its files' sizes;
+    the doomed folders go in one delete (:func:`cluster.storage.delete_trees`).
     A read that fails for any reason but absence (S3's 503 SlowDown, a timeout) skips this
-    round: deleting on a guess could remove the best checkpoint. The next checkpoint retries.
+    round: deleting on a guess could remove the best checkpoint. A delete that fails is said and
+    tried again next round: retention is housekeeping, and training goes on.
     ``known``: complete checkpoints read in earlier rounds, by path (a complete checkpoint does
-    not change), so a round reads only the new ones: one listing, not three requests per kept one.
+    not change), so a round reads the manifests of new ones only.
     """
+    from cluster.storage import delete_trees
+
     known = {} if known is None else known
     try:
-        infos = fs.get_file_info(pafs.FileSelector(run_path, recursive=False, allow_not_found=True))
-        paths = {step: info.path for info in infos
-                 if info.type == pafs.FileType.Directory and (step := step_of(posixpath.basename(info.path))) is not None}
+        listed = fs.get_file_info(pafs.FileSelector(run_path, recursive=True, allow_not_found=True))
+        paths = {step: info.path for info in listed
+                 if info.type == pafs.FileType.Directory and posixpath.dirname(info.path) == run_path.rstrip("/")
+                 and (step := step_of(posixpath.basename(info.path))) is not None}
+        sizes: dict[str, dict[str, int]] = {path: {} for path in paths.values()}
+        for info in listed:
+            if info.type == pafs.FileType.File and posixpath.dirname(info.path) in sizes:
+                sizes[posixpath.dirname(info.path)][posixpath.basename(info.path)] = info.size
         entries = []
         for step, path in paths.items():
-            entry = known.get(path) or retention_entry(fs, path, step, metric)
+            entry = known.get(path) or retention_entry(fs, path, step, metric, sizes[path])
             if entry.complete:
                 known[path] = entry
             entries.append(entry)
@@ -251,7 +262,14 @@ def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: s
         say(f"[etrain] retention skipped this round (nothing deleted): could not read {exc}")
         return []
     doomed = retention_plan(entries, keep_newest, best_mode if metric else None)
+    if not doomed:
+        return []
     for step in doomed:
-        fs.delete_dir(paths[step])
-        known.pop(paths[step], None)
+        known.pop(paths[step], None)  # read again if a failed delete leaves it
+    try:
+        delete_trees(fs, [paths[step] for step in doomed], listed)
+    except OSError as exc:
+        say(f"[etrain] retention could not delete {', '.join(dir_name(s) for s in doomed)} ({exc}); "
+            "the next round tries again")
+        return []
     return doomed

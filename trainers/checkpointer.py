@@ -47,9 +47,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
+from cluster.storage import s3_client_like
 from trainers import checkpoint as ckpt
 from trainers.worker_log import worker_log
 
@@ -276,6 +278,9 @@ class Checkpointer:
         self._write_fs = None  # the run's filesystem, writing in the calling thread
         self._pending: Future | None = None
         self._retention_known: dict[str, ckpt.Kept] = {}  # complete checkpoints retention has read
+        fs = root.fs if root is not None else None  # None: a checkpointer that never prunes
+        if rank == 0 and spec.checkpoint.num_to_keep is not None and isinstance(fs, pafs.S3FileSystem):
+            s3_client_like(fs)  # retention's S3 client (boto3's import, ~0.5 s) now, not mid-training
 
     def kind(self, done: int, stop: int, preempted: bool, stop_requested: bool) -> Kind | None:
         gap_ok = (not preempted and not stop_requested and done != stop and done % self.interval_steps == 0
@@ -406,7 +411,7 @@ class Checkpointer:
         if self.rank == 0:  # pyarrow's listing and deletes use its shared I/O threads: not while idle
             c = self.spec.checkpoint
             ckpt.prune(self.root.fs, self.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode,
-                       known=self._retention_known)
+                       say=worker_log().warning, known=self._retention_known)
         writes()  # the observer's (its TensorBoard writer starts a thread)
 
 

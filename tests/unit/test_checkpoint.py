@@ -145,6 +145,97 @@ def test_a_throttled_manifest_read_during_prune_deletes_nothing(s3_server, tmp_p
     assert ckpt.prune(direct, run, 1, "loss", "min", say=said.append) == [20, 30]  # the next round goes ahead
 
 
+def s3_run(s3_server, tmp_path, bucket: str, losses: list[tuple[int, float]]) -> tuple[pafs.S3FileSystem, str]:
+    """Checkpoints with these (step, loss) in ``bucket``/job/checkpoints of the moto server."""
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    direct = pafs.S3FileSystem(endpoint_override=s3_server.removeprefix("http://"), scheme="http")
+    run = f"{bucket}/job/checkpoints"
+    for step, loss in losses:
+        local = str(tmp_path / str(step))
+        os.makedirs(local)
+        ckpt.write(pafs.LocalFileSystem(), local, {"step": step}, f"model_{step}.pt", {"loss": loss})
+        pafs.copy_files(local, f"{run}/{ckpt.dir_name(step)}", destination_filesystem=direct)
+    return direct, run
+
+
+def bucket_keys(bucket: str) -> list[str]:
+    import boto3
+
+    return sorted(o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=bucket).get("Contents", []))
+
+
+def test_a_retention_round_on_s3_is_one_listing_and_one_delete(s3_server, tmp_path):
+    """Every doomed folder goes in one DeleteObjects request, folder marker included (pyarrow's
+    delete_dir cost five requests a folder); a known checkpoint's manifest is not read again."""
+    import boto3
+    from faulty_proxy import FaultyProxy
+
+    direct, run = s3_run(s3_server, tmp_path, "prune-batch", [(10, 0.5), (20, 0.4), (30, 0.3), (40, 0.2)])
+    boto3.client("s3").put_object(Bucket="prune-batch", Key=f"job/checkpoints/{ckpt.dir_name(20)}/", Body=b"")
+    known: dict = {}
+    assert ckpt.prune(direct, run, 4, None, "min", known=known) == []  # reads all four manifests
+    (tmp_path / "50").mkdir()
+    ckpt.write(pafs.LocalFileSystem(), str(tmp_path / "50"), {"step": 50}, "model_50.pt", {"loss": 0.1})
+    pafs.copy_files(str(tmp_path / "50"), f"{run}/{ckpt.dir_name(50)}", destination_filesystem=direct)
+    proxy = FaultyProxy(s3_server, lambda method, path: False)
+    try:
+        through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http")
+        assert ckpt.prune(through_proxy, run, 1, None, "min", known=known) == [10, 20, 30, 40]
+    finally:
+        proxy.close()
+    requests = [(method, path) for method, path, _ in proxy.passed]
+    manifest_50 = f"/{run}/{ckpt.dir_name(50)}/{ckpt.MANIFEST}"
+    # The listing, the new checkpoint's manifest (pyarrow opens a file with a HEAD), one delete.
+    assert requests == [("GET", "/prune-batch"), ("HEAD", manifest_50), ("GET", manifest_50),
+                        ("POST", "/prune-batch")], requests
+    assert all(status < 300 for *_, status in proxy.passed), proxy.passed
+    assert bucket_keys("prune-batch") == [f"job/checkpoints/{ckpt.dir_name(50)}/{name}"
+                                          for name in (ckpt.MANIFEST, "model_50.pt")]
+
+
+def test_a_failed_delete_is_said_and_the_next_round_deletes(s3_server, tmp_path):
+    """S3 refuses the delete past the client's retries: training goes on (retention is
+    housekeeping), the round says what it could not delete, and the next round deletes it."""
+    from faulty_proxy import FaultyProxy
+
+    direct, run = s3_run(s3_server, tmp_path, "prune-refused", [(10, 0.5), (20, 0.4), (30, 0.3)])
+    proxy = FaultyProxy(s3_server, lambda method, path: method == "POST", times=20)
+    said: list[str] = []
+    known: dict = {}
+    try:
+        through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http")
+        assert ckpt.prune(through_proxy, run, 1, None, "min", say=said.append, known=known) == []
+    finally:
+        proxy.close()
+    assert proxy.failed, ("the proxy must have refused the delete", proxy.passed)
+    assert len(said) == 1 and "could not delete" in said[0] and "the next round tries again" in said[0], said
+    assert ckpt.dir_name(10) in said[0] and ckpt.dir_name(20) in said[0] and "SlowDown" in said[0], said
+    assert len(bucket_keys("prune-refused")) == 6, "nothing was deleted"
+    assert ckpt.prune(direct, run, 1, None, "min", say=said.append, known=known) == [10, 20]
+    assert len(bucket_keys("prune-refused")) == 2
+
+
+@pytest.mark.parametrize("options,endpoint", [
+    ({"endpoint_override": "127.0.0.1:5", "scheme": "http", "region": "eu-west-1"}, "http://127.0.0.1:5"),
+    ({"endpoint_override": "minio.local:9000", "region": "eu-west-1"}, "https://minio.local:9000"),
+    ({"anonymous": True, "region": "eu-west-1"}, None),
+    ({"role_arn": "arn:aws:iam::1:role/r", "region": "eu-west-1"}, None),
+    ({"proxy_options": "http://proxy:3128", "region": "eu-west-1"}, None),
+])
+def test_retention_deletes_through_boto3_only_where_it_reaches_what_pyarrow_reaches(options, endpoint):
+    """Where boto3 could not be set up exactly as the filesystem is (an assumed role, anonymous,
+    a proxy), deletes go through pyarrow."""
+    from cluster.storage import s3_client_like
+
+    client = s3_client_like(pafs.S3FileSystem(**options))
+    if endpoint is None:
+        assert client is None
+    else:
+        assert client.meta.endpoint_url == endpoint and client.meta.region_name == "eu-west-1"
+
+
 def test_an_uploading_newer_checkpoint_protects_the_verified_one(tmp_path):
     """Ray uploads a checkpoint file by file, so its manifest can land before its state file:
     until every file is there at its size it does not count as complete."""
@@ -165,7 +256,8 @@ def test_prune_reads_a_complete_checkpoint_once_across_rounds(tmp_path, monkeypa
     run = str(tmp_path)
     reads = []
     real = ckpt.retention_entry
-    monkeypatch.setattr(ckpt, "retention_entry", lambda fs, path, step, metric: reads.append(step) or real(fs, path, step, metric))
+    monkeypatch.setattr(ckpt, "retention_entry",
+                        lambda fs, path, step, metric, sizes: reads.append(step) or real(fs, path, step, metric, sizes))
     known: dict = {}
     make(run, 10)
     uploading = make(run, 20)
