@@ -164,11 +164,16 @@ def list_checkpoints(fs: pafs.FileSystem, run_path: str) -> list[dict]:
     return sorted(out, key=lambda c: c["step"])
 
 
+def read_manifest(fs: pafs.FileSystem, path: str) -> dict:
+    """A checkpoint folder's manifest, unverified (:func:`verify` hashes every file)."""
+    with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
+        return json.loads(f.read())
+
+
 def load_state(fs: pafs.FileSystem, path: str, map_location: str = "cpu") -> dict:
     import torch
 
-    with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
-        state_file = json.loads(f.read())["state_file"]
+    state_file = read_manifest(fs, path)["state_file"]
     with fs.open_input_file(posixpath.join(path, state_file)) as f:
         return torch.load(f, map_location=map_location, weights_only=True)
 

@@ -387,7 +387,7 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
         if not should_retry(kind, user_failures, ft.max_failures, infra_failures, ft.max_infrastructure_failures):
             say(f"[etrain] giving up after a {kind.replace('_', ' ')}: {type(error).__name__}: {first_line} "
                 f"(user errors {user_failures}/{ft.max_failures}, infrastructure {infra_failures})")
-            return {}, None, error
+            return (*resume_point(home, say), error)
         say(f"[etrain] attempt failed: {kind.replace('_', ' ')} ({first_line}); "
             "retrying from the newest verified checkpoint")
         if kind in ("node_lost", "preemption"):
@@ -476,8 +476,19 @@ def latest_metrics(home: JobHome) -> tuple[dict, str | None, None]:
     chosen, _ = ckpt.find_restore(home.root.fs, home.run_path)
     if chosen is None:
         return {}, None, None
-    manifest, _ = ckpt.verify(home.root.fs, chosen.path)
-    return dict(manifest.get("metrics", {})), chosen.path, None
+    return dict(ckpt.read_manifest(home.root.fs, chosen.path).get("metrics", {})), chosen.path, None
+
+
+def resume_point(home: JobHome, say) -> tuple[dict, str | None]:
+    """For a job that gave up: the newest verified checkpoint (what a re-run resumes from) and
+    its metrics, for the summary. Storage that cannot be read now leaves them out: the job's own
+    failure is what the summary reports."""
+    try:
+        metrics, path, _ = latest_metrics(home)
+    except OSError as exc:
+        say(f"[etrain] note: could not read the newest checkpoint for the summary ({exc})")
+        return {}, None
+    return metrics, path
 
 
 def read_interruptions(home: JobHome) -> list[dict]:

@@ -59,6 +59,27 @@ def test_a_user_error_beyond_the_budget_gives_up_with_its_message(tmp_path, monk
     assert summary["status"] == "failed" and f"user bug at forward call {len(fits)}" in summary["error"], summary
 
 
+def test_a_job_that_gives_up_names_the_checkpoint_a_rerun_resumes_from(tmp_path, monkeypatch):
+    """The budget is spent, but storage holds verified checkpoints: the summary says which one a
+    re-run resumes from and the step and loss it holds (it said checkpoint_uri None, step None)."""
+    import posixpath
+
+    import pyarrow.fs as pafs
+
+    from trainers import checkpoint as ckpt
+
+    home = job_home(flaky_spec(tmp_path, 0))
+    for step, loss in ((10, 0.7), (20, 0.5)):
+        ckpt.write(pafs.LocalFileSystem(), posixpath.join(home.run_path, ckpt.dir_name(step)), {"step": step},
+                   f"model_{step}.pt", {"step": step, "loss": loss})
+    (metrics, checkpoint, error), fits, _, said = attempts(tmp_path, monkeypatch, max_failures=0, failures=99)
+    assert isinstance(error, WorkerGroupError) and len(fits) == 1
+    assert checkpoint == posixpath.join(home.run_path, ckpt.dir_name(20)), checkpoint
+    summary = launch.make_summary(flaky_spec(tmp_path, 0), home, metrics, checkpoint, error, wall_time_s=1.0)
+    assert summary["status"] == "failed" and summary["final_step"] == 20 and summary["final_loss"] == 0.5, summary
+    assert summary["checkpoint_uri"] == posixpath.join(home.run_path, ckpt.dir_name(20)), summary
+
+
 def test_a_user_error_within_the_budget_is_retried_and_the_job_goes_on(tmp_path, monkeypatch):
     (metrics, _, error), fits, previous, said = attempts(tmp_path, monkeypatch, max_failures=1, failures=1)
     assert error is None and metrics == {"step": 20} and len(fits) == 2
