@@ -104,11 +104,11 @@ def main() -> None:
     recovery_notice = notice["interrupted_at"] + notice["recovery_s"] - removed_notice
     recovery_kill = no_notice["interrupted_at"] + no_notice["recovery_s"] - removed_cold
     print(f"job finished: {result.get('summary', {}).get('status')} at step {result.get('summary', {}).get('final_step')}")
-    print(f"cold start (submit -> first step): {cold_start_s:.1f}s")
+    print(f"cold start (submit to first step): {cold_start_s:.1f} s")
     print(f"steps lost with notice: {notice['steps_lost']}")
     print(f"steps lost without notice: {no_notice['steps_lost']}")
-    print(f"recovery with notice: {recovery_notice:.1f}s")
-    print(f"recovery without notice: {recovery_kill:.1f}s")
+    print(f"recovery with notice: {recovery_notice:.1f} s")
+    print(f"recovery without notice: {recovery_kill:.1f} s")
     print(f"recovery over cold start with notice: {recovery_notice / cold_start_s:.2f}")
     print(f"recovery over cold start without notice: {recovery_kill / cold_start_s:.2f}")
 

@@ -120,12 +120,16 @@ def run(script: str, args: list[str], timeout_s: float = SCRIPT_TIMEOUT_S) -> tu
         print("\n".join(f"[bench]   | {line}" for line in lines[-20:]), file=sys.stderr)
         why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exit {proc.returncode}"
         return {}, f"{script} failed ({why}): {lines[-1].strip() if lines else 'no output'}", took
-    figures = {}
-    for line in stdout.splitlines():
-        m = re.match(r"^([a-z0-9][a-zA-Z0-9 ./()\-]*?): (-?[0-9.]+|inf)(?:\s.*)?$", line.strip())
-        if m:
-            figures[m.group(1)] = float(m.group(2))
-    return figures, "", took
+    return dict(found for line in stdout.splitlines() if (found := figure(line))), "", took
+
+
+FIGURE = re.compile(r"^([a-z0-9][a-zA-Z0-9 ./()\-]*?): (-?[0-9.]+|inf)(?:\s.*)?$")
+
+
+def figure(line: str) -> tuple[str, float] | None:
+    """A script's output line ``name: value [anything]`` as (name, value); None for any other line."""
+    m = FIGURE.match(line.strip())
+    return (m.group(1), float(m.group(2))) if m else None
 
 
 def judge(name: str, value: float) -> bool | None:

@@ -197,3 +197,53 @@ def test_a_script_past_its_time_is_stopped_with_what_it_started_and_the_run_goes
         time.sleep(0.1)
     else:
         raise AssertionError("the script's child still runs")
+
+
+def printed_figure_labels() -> dict[str, list[str]]:
+    """Per bench script, each ``print(f"<label>: {value}...")`` to stdout, every value formatted in
+    written as ``{}``."""
+    import ast
+
+    labels: dict[str, list[str]] = {}
+    for path in sorted((REPO / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print" and node.args
+                    and not any(k.arg == "file" for k in node.keywords)):
+                continue
+            text = node.args[0]
+            for branch in [text.body, text.orelse] if isinstance(text, ast.IfExp) else [text]:
+                parts = branch.values if isinstance(branch, ast.JoinedStr) else [branch]
+                template = "".join(p.value if isinstance(p, ast.Constant) and isinstance(p.value, str) else "{}"
+                                   for p in parts)
+                if ": {}" in template:  # a name, then a value formatted in: what run_all reads as a figure
+                    labels.setdefault(path.name, []).append(template)
+    return labels
+
+
+def test_every_figure_a_bench_script_prints_is_one_run_all_reads():
+    """A label run_all's pattern does not take (a comma, a capital first) drops its figure from the
+    BENCHMARKS.md table without a word; and a target whose figure no script prints is never judged."""
+    import re
+
+    run_all = load("run_all")
+    labels = printed_figure_labels()
+    assert "checkpoint.py" in labels and "ddp_overhead.py" in labels, labels  # the scan finds them
+    names, unread = [], []
+    for script, templates in labels.items():
+        for template in templates:
+            label, rest = template.split(": {}", 1)
+            names.append(label)
+            line = label.replace("{}", "x") + ": 0.5" + rest.replace("{}", "x")  # as printed, the value 0.5
+            if run_all.figure(line) != (label.replace("{}", "x"), 0.5):
+                unread.append((script, template))
+    assert not unread, f"lines run_all's figure pattern does not read: {unread}"
+    patterns = [re.compile(re.escape(label).replace(re.escape("{}"), ".+") + "$") for label in names]
+    never_printed = [name for name in run_all.TARGETS if not any(p.match(name) for p in patterns)]
+    assert not never_printed, f"targets no bench script prints: {never_printed}"
+
+
+def test_a_label_with_a_comma_is_not_read_as_a_figure():
+    run_all = load("run_all")
+    assert run_all.figure("async checkpoint throughput ratio, every window: 0.9") is None
+    assert run_all.figure("async checkpoint throughput ratio (every window counted): 0.9 (pairs: 1)") == (
+        "async checkpoint throughput ratio (every window counted)", 0.9)
