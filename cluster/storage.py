@@ -6,8 +6,10 @@ lives under a root, so the same code serves a laptop and a cluster.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import posixpath
 import uuid
@@ -144,13 +146,14 @@ def delete_trees(fs: pafs.FileSystem, folders: list[str], listed: list[pafs.File
     and a marker PUT to keep the parent): at a checkpoint every fraction of a second that was most
     of retention's traffic. The client is boto3, configured from ``fs``'s own options so both
     reach the same endpoint, region and credentials; a filesystem whose credentials boto3 could
-    not reproduce (an assumed role, anonymous, a proxy) deletes through pyarrow as before.
-    Failures are raised as OSError naming what was not deleted.
+    not reproduce (an assumed role, anonymous, a proxy) deletes through pyarrow as before, and so
+    does one whose DeleteObjects boto3 had refused for a reason that does not pass (denied, no
+    credentials), from then on. Failures that may pass (throttling, a 5xx, the
+    network, past boto3's retries) are raised as OSError, for the caller to try again later.
     """
     client = s3_client_like(fs) if isinstance(fs, pafs.S3FileSystem) else None
-    if client is None:
-        for folder in folders:
-            fs.delete_dir(folder)
+    if client is None or client in _BATCH_REFUSED:
+        _delete_each(fs, folders)
         return
     by_bucket: dict[str, list[str]] = {}
     for folder in folders:
@@ -170,11 +173,42 @@ def delete_trees(fs: pafs.FileSystem, folders: list[str], listed: list[pafs.File
                 answer = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch],
                                                                       "Quiet": True})
             except (BotoCoreError, ClientError) as exc:
-                raise OSError(f"deleting {len(batch)} objects in s3://{bucket}: {exc}") from exc
+                if transient_s3_error(exc):
+                    raise OSError(f"deleting {len(batch)} objects in s3://{bucket}: {exc}") from exc
+                # Refused where pyarrow may not be: boto3's credential chain found other credentials
+                # (or none) than the AWS C++ SDK's, or a store answers its request differently.
+                _BATCH_REFUSED.add(client)
+                logging.getLogger(__name__).warning(
+                    "deleting old checkpoints through pyarrow from now on (one request per object): "
+                    "boto3's DeleteObjects was refused: %s", exc)
+                _delete_each(fs, folders)
+                return
             if errors := answer.get("Errors"):
                 first = errors[0]
                 raise OSError(f"{len(errors)} of {len(batch)} objects in s3://{bucket} were not deleted, first "
                               f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}")
+
+
+def _delete_each(fs: pafs.FileSystem, folders: list[str]) -> None:
+    for folder in folders:
+        with contextlib.suppress(FileNotFoundError):  # gone already (a batch before the refusal)
+            fs.delete_dir(folder)
+
+
+_BATCH_REFUSED: set = set()  # boto3 clients whose DeleteObjects was refused for good: pyarrow deletes
+
+
+def transient_s3_error(exc: Exception) -> bool:
+    """Whether a boto3 error may pass by itself (throttling, a 5xx, the network), past its own retries."""
+    from botocore.exceptions import ClientError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = exc.response.get("Error", {}).get("Code", "")
+        return status in (500, 502, 503, 504) or code in ("SlowDown", "RequestTimeout", "Throttling",
+                                                          "InternalError", "ServiceUnavailable")
+    return isinstance(exc, (BotoConnectionError, HTTPClientError))
 
 
 @functools.lru_cache(maxsize=8)

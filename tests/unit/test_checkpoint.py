@@ -217,6 +217,56 @@ def test_a_failed_delete_is_said_and_the_next_round_deletes(s3_server, tmp_path)
     assert len(bucket_keys("prune-refused")) == 2
 
 
+ACCESS_DENIED = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
+
+
+def test_deletes_boto3_is_refused_go_through_pyarrow_from_then_on(s3_server, tmp_path, caplog):
+    """boto3's credential chain can find other credentials than pyarrow's (the AWS C++ SDK's), or
+    none: old checkpoints must not pile up for it. That round deletes through pyarrow, and so do
+    the rounds after it, without asking boto3 again."""
+    from faulty_proxy import FaultyProxy
+
+    direct, run = s3_run(s3_server, tmp_path, "prune-denied", [(10, 0.5), (20, 0.4), (30, 0.3)])
+    proxy = FaultyProxy(s3_server, lambda method, path: method == "POST", times=1, status=403, answer=ACCESS_DENIED)
+    try:
+        through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http",
+                                          region="eu-north-1")  # a client of its own, not the other tests'
+        with caplog.at_level("WARNING", logger="cluster.storage"):
+            assert ckpt.prune(through_proxy, run, 1, None, "min") == [10, 20]
+        assert proxy.failed == [("POST", "/prune-denied")], "boto3 was refused once"
+        (tmp_path / "40").mkdir()
+        ckpt.write(pafs.LocalFileSystem(), str(tmp_path / "40"), {"step": 40}, "model_40.pt", {"loss": 0.2})
+        pafs.copy_files(str(tmp_path / "40"), f"{run}/{ckpt.dir_name(40)}", destination_filesystem=direct)
+        proxy.passed.clear()
+        assert ckpt.prune(through_proxy, run, 1, None, "min") == [30]
+    finally:
+        proxy.close()
+    # pyarrow's delete_dir starts with a HEAD of the folder; boto3's batch has none.
+    assert ("HEAD", f"/{run}/{ckpt.dir_name(30)}", 404) in proxy.passed, proxy.passed
+    # pyarrow keeps the parent folder's marker when it deletes the last folder in it
+    assert bucket_keys("prune-denied") == ["job/checkpoints/"] + [f"job/checkpoints/{ckpt.dir_name(40)}/{name}"
+                                                                  for name in (ckpt.MANIFEST, "model_40.pt")]
+    assert any("through pyarrow from now on" in r.getMessage() and "AccessDenied" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
+def test_which_boto3_errors_may_pass_by_themselves():
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ReadTimeoutError
+
+    from cluster.storage import transient_s3_error
+
+    def client_error(status: int, code: str) -> ClientError:
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "DeleteObjects")
+
+    assert transient_s3_error(client_error(503, "SlowDown"))
+    assert transient_s3_error(client_error(500, "InternalError"))
+    assert transient_s3_error(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert transient_s3_error(ReadTimeoutError(endpoint_url="http://127.0.0.1:1"))
+    assert not transient_s3_error(client_error(403, "AccessDenied"))
+    assert not transient_s3_error(client_error(501, "NotImplemented"))
+    assert not transient_s3_error(NoCredentialsError())
+
+
 @pytest.mark.parametrize("options,endpoint", [
     ({"endpoint_override": "127.0.0.1:5", "scheme": "http", "region": "eu-west-1"}, "http://127.0.0.1:5"),
     ({"endpoint_override": "minio.local:9000", "region": "eu-west-1"}, "https://minio.local:9000"),
