@@ -73,10 +73,13 @@ LIMITS = {
         "counted is printed beside the trimmed one. On CPU ranks (wholly SCHED_BATCH) the checkpoint thread runs "
         "at SCHED_IDLE from its second checkpoint (trainers/checkpointer.py: Yielding) and writes straight to "
         "storage. Against S3 the gap is the moto server, on the two cores the ranks train on (at SCHED_IDLE; a "
-        "remote bucket would not spend it here): ~11 ms of its CPU for the 1.8 MB state PUT, ~2 ms for each small "
-        "request, ~10 ms for pyarrow's five-request delete of an old checkpoint; 1.2-1.4 CPU-s a pair. Pairs in "
-        "turns on 2026-12-05, reporting every checkpoint vs one in 2 s: local disk median 0.944 (4 pairs, "
-        "0.914-0.963) vs 0.972 (4, 0.956-0.991); moto S3 0.882 (4, 0.871-0.939) vs 0.916 (12, 0.874-0.956).",
+        "remote bucket would not spend it here): ~11 ms of its CPU for each 1.8 MB state PUT, ~2 ms for each small "
+        "request (a checkpoint is the state PUT, its manifest PUT and a HEAD). Since 30e8509 a retention round is "
+        "one listing and one DeleteObjects (pyarrow's delete had cost five requests an old checkpoint): moto's "
+        "CPU a pair 1.10-1.15 s -> 0.90-0.96 s, the S3 ratio 0.914 -> 0.927 (medians of 6 pairs each, in "
+        "alternation). Pairs in turns on 2026-12-05, reporting every checkpoint vs one in 2 s: local disk median "
+        "0.944 (4 pairs, 0.914-0.963) vs 0.972 (4, 0.956-0.991); moto S3 0.882 (4, 0.871-0.939) vs 0.916 (12, "
+        "0.874-0.956).",
 }
 
 # What a figure means, shown whether it meets its target or not.
