@@ -137,19 +137,19 @@ def write_whole(fs: pafs.FileSystem, target: str, data: bytes) -> None:
 DELETE_BATCH = 1000  # keys in one S3 DeleteObjects request, S3's own limit
 
 
-def delete_trees(fs: pafs.FileSystem, folders: list[str], listed: list[pafs.FileInfo]) -> None:
+def delete_trees(fs: pafs.FileSystem, folders: list[str], listed: list[pafs.FileInfo], say=print) -> None:
     """Delete each of ``folders`` with everything under it; ``listed``: a recursive listing that
-    covers them (the caller has just made it).
+    covers them (the caller has just made it). Raises OSError when they could not be deleted.
 
     On S3 one DeleteObjects request per thousand objects, for all the folders together. pyarrow's
     ``delete_dir`` costs five requests a folder (a HEAD, a listing, the delete, the folder's marker,
     and a marker PUT to keep the parent): at a checkpoint every fraction of a second that was most
-    of retention's traffic. The client is boto3, configured from ``fs``'s own options so both
-    reach the same endpoint, region and credentials; a filesystem whose credentials boto3 could
-    not reproduce (an assumed role, anonymous, a proxy) deletes through pyarrow as before, and so
-    does one whose DeleteObjects boto3 had refused for a reason that does not pass (denied, no
-    credentials), from then on. Failures that may pass (throttling, a 5xx, the
-    network, past boto3's retries) are raised as OSError, for the caller to try again later.
+    of retention's traffic. The client is boto3, set up from ``fs``'s own options (endpoint,
+    region, timeouts, keys). pyarrow stays the reference: a filesystem boto3 cannot be set up
+    like (an assumed role, anonymous, a proxy, a boto3 configuration error) deletes through it, and
+    so does a round in which boto3 failed; when pyarrow then succeeds where boto3 was refused for a
+    reason that does not pass (other credentials from boto3's own chain, a CA bundle or proxy of its
+    own), every later round goes through pyarrow too, said once through ``say``.
     """
     client = s3_client_like(fs) if isinstance(fs, pafs.S3FileSystem) else None
     if client is None or client in _BATCH_REFUSED:
@@ -164,66 +164,88 @@ def delete_trees(fs: pafs.FileSystem, folders: list[str], listed: list[pafs.File
         for path in paths:
             bucket, _, key = path.partition("/")
             by_bucket.setdefault(bucket, []).append(key)
-    from botocore.exceptions import BotoCoreError, ClientError
+    try:
+        _delete_objects(client, by_bucket)
+    except _BatchFailed as failed:
+        try:
+            _delete_each(fs, folders)
+        except OSError as exc:  # storage itself is in trouble: the caller tries again later
+            raise OSError(f"{exc} (boto3's DeleteObjects: {failed})") from exc
+        if not failed.transient:
+            _BATCH_REFUSED.add(client)
+            say(f"[etrain] retention deletes old checkpoints through pyarrow from now on (about five requests a "
+                f"checkpoint): boto3's DeleteObjects was refused where pyarrow's delete worked ({failed}). Check "
+                "boto3's own settings on this node: AWS_PROFILE and ~/.aws/config, AWS_CA_BUNDLE, HTTPS_PROXY.")
 
+
+class _BatchFailed(Exception):
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
+
+
+def _delete_objects(client, by_bucket: dict[str, list[str]]) -> None:
+    """DeleteObjects, a thousand keys a request; _BatchFailed on any failure, a whole request's or a key's."""
     for bucket, keys in by_bucket.items():
         for start in range(0, len(keys), DELETE_BATCH):
             batch = keys[start:start + DELETE_BATCH]
             try:
                 answer = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch],
                                                                       "Quiet": True})
-            except (BotoCoreError, ClientError) as exc:
-                if transient_s3_error(exc):
-                    raise OSError(f"deleting {len(batch)} objects in s3://{bucket}: {exc}") from exc
-                # Refused where pyarrow may not be: boto3's credential chain found other credentials
-                # (or none) than the AWS C++ SDK's, or a store answers its request differently.
-                _BATCH_REFUSED.add(client)
-                logging.getLogger(__name__).warning(
-                    "deleting old checkpoints through pyarrow from now on (one request per object): "
-                    "boto3's DeleteObjects was refused: %s", exc)
-                _delete_each(fs, folders)
-                return
-            if errors := answer.get("Errors"):
+            except Exception as exc:  # boundary: whatever boto3 raises, pyarrow gets the round
+                raise _BatchFailed(f"s3://{bucket}: {type(exc).__name__}: {exc}", transient_s3_error(exc)) from exc
+            if errors := answer.get("Errors"):  # S3 answers a key it may not delete 200, with an entry here
                 first = errors[0]
-                raise OSError(f"{len(errors)} of {len(batch)} objects in s3://{bucket} were not deleted, first "
-                              f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}")
+                raise _BatchFailed(f"{len(errors)} of {len(batch)} objects in s3://{bucket} not deleted, first "
+                                   f"{first.get('Key')}: {first.get('Code')} {first.get('Message')}",
+                                   all(e.get("Code") in TRANSIENT_S3_CODES for e in errors))
 
 
 def _delete_each(fs: pafs.FileSystem, folders: list[str]) -> None:
     for folder in folders:
-        with contextlib.suppress(FileNotFoundError):  # gone already (a batch before the refusal)
+        with contextlib.suppress(FileNotFoundError):  # gone already (a batch before a failed one)
             fs.delete_dir(folder)
 
 
-_BATCH_REFUSED: set = set()  # boto3 clients whose DeleteObjects was refused for good: pyarrow deletes
+_BATCH_REFUSED: set = set()  # boto3 clients refused where pyarrow was not: pyarrow deletes from then on
+TRANSIENT_S3_CODES = ("SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "TooManyRequests",
+                      "InternalError", "ServiceUnavailable", "OperationAborted")
 
 
 def transient_s3_error(exc: Exception) -> bool:
-    """Whether a boto3 error may pass by itself (throttling, a 5xx, the network), past its own retries."""
-    from botocore.exceptions import ClientError, HTTPClientError
+    """Whether a boto3 error may pass by itself (throttling, a 5xx, a dropped connection) past its
+    retries. A certificate or proxy boto3 cannot get through does not: those are its own settings."""
+    from botocore.exceptions import ClientError, HTTPClientError, ProxyConnectionError, SSLError
     from botocore.exceptions import ConnectionError as BotoConnectionError
 
     if isinstance(exc, ClientError):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        code = exc.response.get("Error", {}).get("Code", "")
-        return status in (500, 502, 503, 504) or code in ("SlowDown", "RequestTimeout", "Throttling",
-                                                          "InternalError", "ServiceUnavailable")
+        return status in (429, 500, 502, 503, 504) or exc.response.get("Error", {}).get("Code", "") in TRANSIENT_S3_CODES
+    if isinstance(exc, (SSLError, ProxyConnectionError)):
+        return False
     return isinstance(exc, (BotoConnectionError, HTTPClientError))
 
 
 @functools.lru_cache(maxsize=8)
 def _s3_client_for(endpoint_url: str | None, region: str | None, connect_timeout_s: float, read_timeout_s: float,
                    access_key: str | None, secret_key: str | None, session_token: str | None, ca_file: str | None):
-    """One boto3 client per configuration and process (clients are thread-safe; making one costs ~50 ms)."""
+    """One boto3 client per configuration and process (clients are thread-safe; making one costs ~50 ms),
+    or None where boto3 cannot make one (a missing AWS_PROFILE, a malformed ~/.aws/config, which the
+    AWS C++ SDK behind pyarrow tolerates): pyarrow deletes then."""
     import boto3
     from botocore.config import Config
 
     config = Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
                     retries={"mode": "standard", "max_attempts": 3},
-                    s3={"addressing_style": "path"})  # as pyarrow addresses buckets
-    return boto3.session.Session().client(
-        "s3", endpoint_url=endpoint_url, region_name=region, config=config, aws_access_key_id=access_key,
-        aws_secret_access_key=secret_key, aws_session_token=session_token, verify=ca_file or None)
+                    s3={"addressing_style": "path"})  # works with every endpoint, AWS's included
+    try:
+        return boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url, region_name=region, config=config, aws_access_key_id=access_key,
+            aws_secret_access_key=secret_key, aws_session_token=session_token, verify=ca_file or None)
+    except Exception as exc:  # boundary: any of botocore's configuration errors; remembered by the cache
+        logging.getLogger(__name__).warning("no boto3 S3 client here (%s: %s): old checkpoints are deleted "
+                                            "through pyarrow", type(exc).__name__, exc)
+        return None
 
 
 def s3_client_like(fs: pafs.S3FileSystem):

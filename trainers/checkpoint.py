@@ -272,7 +272,7 @@ def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: s
     for step in doomed:
         known.pop(paths[step], None)  # read again if a failed delete leaves it
     try:
-        delete_trees(fs, [paths[step] for step in doomed], listed)
+        delete_trees(fs, [paths[step] for step in doomed], listed, say=say)
     except OSError as exc:
         say(f"[etrain] retention could not delete {', '.join(dir_name(s) for s in doomed)} ({exc}); "
             "the next round tries again")

@@ -205,7 +205,9 @@ def test_a_failed_delete_is_said_and_the_next_round_deletes(s3_server, tmp_path)
     said: list[str] = []
     known: dict = {}
     try:
-        through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http")
+        # pyarrow's own retries (it gets the round after boto3) would only add their back-off here
+        through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http",
+                                          retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
         assert ckpt.prune(through_proxy, run, 1, None, "min", say=said.append, known=known) == []
     finally:
         proxy.close()
@@ -218,40 +220,62 @@ def test_a_failed_delete_is_said_and_the_next_round_deletes(s3_server, tmp_path)
 
 
 ACCESS_DENIED = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
+# What S3 answers a DeleteObjects whose keys this identity may not delete: 200, an Error per key.
+KEYS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+               b"<Error><Key>job/checkpoints/checkpoint_000000010/manifest.json</Key><Code>AccessDenied</Code>"
+               b"<Message>Access Denied</Message></Error></DeleteResult>")
 
 
-def test_deletes_boto3_is_refused_go_through_pyarrow_from_then_on(s3_server, tmp_path, caplog):
+@pytest.mark.parametrize("status,answer", [(403, ACCESS_DENIED), (200, KEYS_DENIED)], ids=["request", "per-key"])
+def test_deletes_boto3_is_refused_go_through_pyarrow_from_then_on(s3_server, tmp_path, status, answer):
     """boto3's credential chain can find other credentials than pyarrow's (the AWS C++ SDK's), or
-    none: old checkpoints must not pile up for it. That round deletes through pyarrow, and so do
-    the rounds after it, without asking boto3 again."""
+    none; S3 refuses a whole request (403) or each key (200, an Error per key). Old checkpoints must
+    not pile up for it: that round deletes through pyarrow, and so do the rounds after it, without
+    asking boto3 again; it is said once, with what to check."""
     from faulty_proxy import FaultyProxy
 
-    direct, run = s3_run(s3_server, tmp_path, "prune-denied", [(10, 0.5), (20, 0.4), (30, 0.3)])
-    proxy = FaultyProxy(s3_server, lambda method, path: method == "POST", times=1, status=403, answer=ACCESS_DENIED)
+    bucket = f"prune-denied-{status}"
+    direct, run = s3_run(s3_server, tmp_path, bucket, [(10, 0.5), (20, 0.4), (30, 0.3)])
+    proxy = FaultyProxy(s3_server, lambda method, path: method == "POST", times=1, status=status, answer=answer)
+    said: list[str] = []
     try:
         through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http",
                                           region="eu-north-1")  # a client of its own, not the other tests'
-        with caplog.at_level("WARNING", logger="cluster.storage"):
-            assert ckpt.prune(through_proxy, run, 1, None, "min") == [10, 20]
-        assert proxy.failed == [("POST", "/prune-denied")], "boto3 was refused once"
+        assert ckpt.prune(through_proxy, run, 1, None, "min", say=said.append) == [10, 20]
+        assert proxy.failed == [("POST", f"/{bucket}")], "boto3 was refused once"
         (tmp_path / "40").mkdir()
         ckpt.write(pafs.LocalFileSystem(), str(tmp_path / "40"), {"step": 40}, "model_40.pt", {"loss": 0.2})
         pafs.copy_files(str(tmp_path / "40"), f"{run}/{ckpt.dir_name(40)}", destination_filesystem=direct)
         proxy.passed.clear()
-        assert ckpt.prune(through_proxy, run, 1, None, "min") == [30]
+        assert ckpt.prune(through_proxy, run, 1, None, "min", say=said.append) == [30]
     finally:
         proxy.close()
     # pyarrow's delete_dir starts with a HEAD of the folder; boto3's batch has none.
     assert ("HEAD", f"/{run}/{ckpt.dir_name(30)}", 404) in proxy.passed, proxy.passed
     # pyarrow keeps the parent folder's marker when it deletes the last folder in it
-    assert bucket_keys("prune-denied") == ["job/checkpoints/"] + [f"job/checkpoints/{ckpt.dir_name(40)}/{name}"
-                                                                  for name in (ckpt.MANIFEST, "model_40.pt")]
-    assert any("through pyarrow from now on" in r.getMessage() and "AccessDenied" in r.getMessage()
-               for r in caplog.records), caplog.text
+    assert bucket_keys(bucket) == ["job/checkpoints/"] + [f"job/checkpoints/{ckpt.dir_name(40)}/{name}"
+                                                          for name in (ckpt.MANIFEST, "model_40.pt")]
+    assert len(said) == 1 and "through pyarrow from now on" in said[0] and "AccessDenied" in said[0], said
+    assert "AWS_PROFILE" in said[0] and "AWS_CA_BUNDLE" in said[0], said
+
+
+def test_where_boto3_cannot_be_set_up_pyarrow_deletes(s3_server, tmp_path, monkeypatch):
+    """A profile boto3 cannot find (the AWS C++ SDK behind pyarrow goes on without it) must not
+    stop retention, nor the checkpointer that sets the client up before training."""
+    from cluster.storage import s3_client_like
+
+    direct, run = s3_run(s3_server, tmp_path, "prune-no-boto3", [(10, 0.5), (20, 0.4)])
+    monkeypatch.setenv("AWS_PROFILE", "etrain-no-such-profile")
+    fs = pafs.S3FileSystem(endpoint_override=s3_server.removeprefix("http://"), scheme="http", region="ap-south-2")
+    assert s3_client_like(fs) is None
+    assert ckpt.prune(fs, run, 1, None, "min") == [10]
+    monkeypatch.delenv("AWS_PROFILE")  # for this test's own look at the bucket
+    assert [k.split("/")[2] for k in bucket_keys("prune-no-boto3") if k.count("/") == 3] == [ckpt.dir_name(20)] * 2
 
 
 def test_which_boto3_errors_may_pass_by_themselves():
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ReadTimeoutError
+    from botocore.exceptions import (ClientError, EndpointConnectionError, NoCredentialsError, ProxyConnectionError,
+                                     ReadTimeoutError, SSLError)
 
     from cluster.storage import transient_s3_error
 
@@ -260,11 +284,15 @@ def test_which_boto3_errors_may_pass_by_themselves():
 
     assert transient_s3_error(client_error(503, "SlowDown"))
     assert transient_s3_error(client_error(500, "InternalError"))
+    assert transient_s3_error(client_error(429, "TooManyRequests"))
+    assert transient_s3_error(client_error(409, "OperationAborted"))
     assert transient_s3_error(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
     assert transient_s3_error(ReadTimeoutError(endpoint_url="http://127.0.0.1:1"))
     assert not transient_s3_error(client_error(403, "AccessDenied"))
     assert not transient_s3_error(client_error(501, "NotImplemented"))
     assert not transient_s3_error(NoCredentialsError())
+    assert not transient_s3_error(SSLError(endpoint_url="https://minio.local", error="certificate verify failed"))
+    assert not transient_s3_error(ProxyConnectionError(proxy_url="http://proxy:3128", error="refused"))
 
 
 @pytest.mark.parametrize("options,endpoint", [
