@@ -78,7 +78,8 @@ def print_summary(s: dict) -> None:
     for r in s.get("interruptions", []):
         print(f"[etrain] interruption: {r['cause']} at step {r['step_reached']}, {r['steps_lost']} steps lost, "
               f"{r['recovery_s']:.1f}s to the next step, world size {r['world_size_before']} -> {r['world_size_after']}")
-    print(f"[etrain] checkpoint: {s['checkpoint_uri']}")
+    resumes = " (a re-run resumes from it)" if s["status"] != "succeeded" and s.get("checkpoint_uri") else ""
+    print(f"[etrain] checkpoint: {s['checkpoint_uri']}{resumes}")
     print(f"[etrain] summary:    {s['storage']}/summary.json")
     if s.get("error"):
         print(f"[etrain] error: {s['error']}")

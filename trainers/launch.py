@@ -480,15 +480,16 @@ def latest_metrics(home: JobHome) -> tuple[dict, str | None, None]:
 
 
 def resume_point(home: JobHome, say) -> tuple[dict, str | None]:
-    """For a job that gave up: the newest verified checkpoint (what a re-run resumes from) and
-    its metrics, for the summary. Storage that cannot be read now leaves them out: the job's own
-    failure is what the summary reports."""
+    """For a job that gave up: its newest complete checkpoint (what a re-run resumes from, once it
+    verifies) and the metrics in its manifest, for the summary. Manifests only: hashing a checkpoint
+    of many GB on the driver would delay the failure's report. Anything that goes wrong here leaves
+    them out: the job's own failure is what the summary reports."""
     try:
-        metrics, path, _ = latest_metrics(home)
-    except OSError as exc:
-        say(f"[etrain] note: could not read the newest checkpoint for the summary ({exc})")
+        complete = [c for c in ckpt.list_checkpoints(home.root.fs, home.run_path) if c["complete"]]
+    except Exception as exc:  # boundary: the failure being reported must not be replaced by this one
+        say(f"[etrain] note: could not read the newest checkpoint for the summary ({type(exc).__name__}: {exc})")
         return {}, None
-    return metrics, path
+    return (dict(complete[-1]["metrics"]), complete[-1]["path"]) if complete else ({}, None)
 
 
 def read_interruptions(home: JobHome) -> list[dict]:

@@ -60,7 +60,7 @@ def test_a_user_error_beyond_the_budget_gives_up_with_its_message(tmp_path, monk
 
 
 def test_a_job_that_gives_up_names_the_checkpoint_a_rerun_resumes_from(tmp_path, monkeypatch):
-    """The budget is spent, but storage holds verified checkpoints: the summary says which one a
+    """The budget is spent, but storage holds complete checkpoints: the summary says which one a
     re-run resumes from and the step and loss it holds (it said checkpoint_uri None, step None)."""
     import posixpath
 
@@ -78,6 +78,22 @@ def test_a_job_that_gives_up_names_the_checkpoint_a_rerun_resumes_from(tmp_path,
     summary = launch.make_summary(flaky_spec(tmp_path, 0), home, metrics, checkpoint, error, wall_time_s=1.0)
     assert summary["status"] == "failed" and summary["final_step"] == 20 and summary["final_loss"] == 0.5, summary
     assert summary["checkpoint_uri"] == posixpath.join(home.run_path, ckpt.dir_name(20)), summary
+
+
+def test_an_unreadable_checkpoint_does_not_replace_the_failure_in_the_summary(tmp_path):
+    """A manifest that is JSON but not a manifest (a hand edit, another tool): the summary goes
+    without a checkpoint and says why, rather than raising in place of the job's failure."""
+    import posixpath
+
+    from trainers import checkpoint as ckpt
+
+    home = job_home(flaky_spec(tmp_path, 0))
+    home.root.fs.create_dir(posixpath.join(home.run_path, ckpt.dir_name(30)))
+    with home.root.fs.open_output_stream(posixpath.join(home.run_path, ckpt.dir_name(30), ckpt.MANIFEST)) as f:
+        f.write(b"[1, 2]")
+    said: list[str] = []
+    assert launch.resume_point(home, said.append) == ({}, None)
+    assert said and "could not read the newest checkpoint for the summary (AttributeError" in said[0], said
 
 
 def test_a_user_error_within_the_budget_is_retried_and_the_job_goes_on(tmp_path, monkeypatch):

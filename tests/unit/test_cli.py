@@ -25,3 +25,10 @@ def test_failed_summary_shows_the_error(capsys):
                    "checkpoint_uri": None, "storage": "/r/j", "interruptions": [], "error": "ValueError: bug"})
     out = capsys.readouterr().out
     assert "job j: failed" in out and "error: ValueError: bug" in out
+    assert "checkpoint: None\n" in out  # nothing to resume from: no promise
+    print_summary({"name": "j", "status": "failed", "final_step": 20, "target_step": 100, "wall_time_s": 3.0,
+                   "samples_per_s": None, "final_loss": 0.5, "world_size": 2, "global_batch_size": 8,
+                   "checkpoint_uri": "/r/j/checkpoints/checkpoint_000000020", "storage": "/r/j", "interruptions": [],
+                   "error": "ValueError: bug"})
+    out = capsys.readouterr().out
+    assert "checkpoint: /r/j/checkpoints/checkpoint_000000020 (a re-run resumes from it)" in out, out
