@@ -380,7 +380,9 @@ def _recorder_class():
         Ray Train's controller runs on the driver's node and its placement groups belong to the
         driver's job: when the driver dies, Ray removes them with the job. Only a controller that
         dies while its driver lives (killed, out of memory) leaves one holding the workers' CPUs
-        or GPUs, and the driver is the one to see that: its ``fit()`` raises. Ray's cleaner
+        or GPUs, and the driver is the one to see that: its ``fit()`` raises. A sweep trial's
+        driver is a Tune actor of the sweep's job, ended with its controller when Tune stops the
+        trial: there the sweep's driver removes it, by the trial's record (``placement_group_key``). Ray's cleaner
         watches for it with a detached actor per run (a process, ~2.3 CPU-s of imports, on the
         path to the first step), polling the dashboard every second and waiting out a poll when
         the run ends: measured here, a 20-step run took 16-18 s and 28 CPU-s with it, 12-13 s and
@@ -571,7 +573,12 @@ def torch_config(backend: str | None = None, timeout_s: int = 1800):
     return _lean_torch_config_class()(backend=backend, timeout_s=timeout_s)
 
 
-def torch_trainer(*args, **kwargs):
+def placement_group_record(run_key: str) -> bytes:
+    """Where the placement group of the run named ``run_key`` is recorded (:class:`PlacementGroupRecorder`)."""
+    return PG_KEY_PREFIX + run_key.encode()
+
+
+def torch_trainer(*args, placement_group_key: str | None = None, **kwargs):
     """A ``ray.train.torch.TorchTrainer`` that starts no dataset-shard actor when it has no
     datasets (ours read their data in the loop) and no placement-group cleaner actor (the driver
     cleans up instead: :class:`PlacementGroupRecorder`), and whose preemption watcher is a
@@ -584,7 +591,12 @@ def torch_trainer(*args, **kwargs):
     It is Ray's ``TorchTrainer`` without its module: that class is a ``DataParallelTrainer`` with
     a torch backend config, but ``ray.train.torch`` (which every path to it imports) imports torch,
     ~1.7 CPU-s and ~300 MB in every driver (`etrain run`, each Ray Jobs driver of the service,
-    each sweep trial's) that only starts workers."""
+    each sweep trial's) that only starts workers.
+
+    ``placement_group_key``: record the workers' placement group under a name someone else
+    knows (:func:`placement_group_record`), for a driver that may be torn down mid-fit with no
+    ``fit()`` left to remove it: Tune stops a trial by ending its actor. Otherwise a name only
+    this trainer knows."""
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     datasets_callback, pg_cleaner_callback = _left_out_callback_classes()
@@ -592,7 +604,8 @@ def torch_trainer(*args, **kwargs):
     default_config = torch_config
 
     class LeanTorchTrainer(DataParallelTrainer):
-        pg_key = PG_KEY_PREFIX + uuid.uuid4().hex.encode()  # this class is made per trainer
+        # this class is made per trainer
+        pg_key = placement_group_record(placement_group_key or uuid.uuid4().hex)
 
         def __init__(self, train_loop_per_worker, *, torch_config=None, **rest):
             super().__init__(train_loop_per_worker, backend_config=torch_config or default_config(), **rest)

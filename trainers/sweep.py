@@ -329,6 +329,47 @@ def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
         raise RuntimeError(f"trial job {spec.name} failed: {summary['error']}")
 
 
+def trial_job_key(base: dict, values: dict[str, Any], trial_id: str, jobs_uri: str) -> str:
+    """The key a trial's job runs under in Ray (its folder's), as the trial itself derives it."""
+    from trainers.home import job_home
+
+    return job_home(validate(trial_job_data(base, values, trial_job_name(trial_id), jobs_uri))).key
+
+
+def remove_trial_placement_group(base: dict, values: dict[str, Any], trial_id: str, jobs_uri: str,
+                                 say=print) -> None:
+    """Remove the placement group a trial's training holds, if it still holds one.
+
+    Tune stops a trial (its scheduler's early stop, an error) by ending the trial's actor: the
+    training's controller, a child of it, goes too, but the workers' placement group belongs to the
+    job and stays, holding their CPUs, until later trials could not start (bench/sweep.py hung
+    so). The trial records it under its job's key (cluster.ray_adapter.placement_group_record);
+    removing it ends the trial's workers, which is what stopping the trial means."""
+    from cluster import ray_adapter
+
+    try:
+        ray_adapter.remove_recorded_placement_group(
+            ray_adapter.placement_group_record(trial_job_key(base, values, trial_id, jobs_uri)))
+    except Exception as exc:  # boundary: a leftover only costs capacity; the sweep goes on
+        say(f"[etrain] note: could not remove trial {trial_id}'s placement group ({type(exc).__name__}: {exc})")
+
+
+def trial_cleanup_callback(base: dict, jobs_uri: str, say=print):
+    """A Tune callback that removes each ended trial's placement group (:func:`remove_trial_placement_group`).
+    Tune calls it as it decides to stop a trial, before ending the trial's actor; a trial that
+    finished by itself has removed its own already."""
+    from ray import tune
+
+    class RemoveEndedTrialsPlacementGroups(tune.Callback):
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            remove_trial_placement_group(base, trial.config, trial.trial_id, jobs_uri, say)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            remove_trial_placement_group(base, trial.config, trial.trial_id, jobs_uri, say)
+
+    return RemoveEndedTrialsPlacementGroups()
+
+
 def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> None:
     """Give every trial stopped by the scheduler a summary that says so.
 
@@ -411,10 +452,13 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
                 tune_config=tune.TuneConfig(metric=s.metric, mode=s.mode, num_samples=s.samples,
                                             search_alg=make_searcher(s), scheduler=make_scheduler(s)),
                 run_config=tune.RunConfig(name="tune", storage_path=tune_path, storage_filesystem=root.fs,
+                                          callbacks=[trial_cleanup_callback(plan.base, jobs.uri, say)],
                                           failure_config=tune.FailureConfig(max_failures=0), verbose=1),
             )
         grid = tuner.fit()
         rows = result_rows(grid, s.metric)
+        for row in rows:  # whatever the callback could not remove (a trial stopped while its group started)
+            remove_trial_placement_group(plan.base, row["params"], row["trial"], jobs.uri, say)
         settle_trial_summaries(rows, plan.base, jobs)
         best = best_row(rows, s.metric, s.mode)
         report = {"name": plan.name, "metric": s.metric, "mode": s.mode, "scheduler": s.scheduler,

@@ -21,10 +21,21 @@ pytestmark = [pytest.mark.ray, pytest.mark.no_dashboard]
 REPO = Path(__file__).resolve().parents[2]
 
 
+def live_placement_groups() -> set[str]:
+    from ray.util.placement_group import placement_group_table
+
+    return {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
+
+
 def test_asha_sweep_over_batch_lr_and_loader_workers(ray_local, tmp_path):
     plan = load_sweep(REPO / "configs" / "sweep.yaml", [f"checkpoint.storage_root={tmp_path}"])
+    before = live_placement_groups()
     code, report = run_sweep(plan)
     assert code == EXIT_OK, report
+    # A trial ASHA stops is torn down with its Tune actor, its training's controller with it. The
+    # workers' placement group belongs to the job, not to that actor: left behind, each held its
+    # CPUs until the sweep's later trials could not start (bench/sweep.py hung there).
+    wait_for(lambda: not (live_placement_groups() - before), 30, "no placement group left by a stopped trial")
     trials = report["trials"]
     assert len(trials) == 6 and all(t["status"] in ("finished", "stopped early") for t in trials)
     assert {t["params"]["training.batch_size"] for t in trials} > {64}  # the space was really searched

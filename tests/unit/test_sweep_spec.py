@@ -222,3 +222,40 @@ def test_a_trial_torn_down_without_a_checkpoint_or_before_its_target_is_not_fini
     assert [r["status"] for r in rows] == ["stopped early", "stopped early"]
     assert not reached_target({"status": "succeeded", "final_step": None, "target_step": 60})
     assert reached_target({"status": "succeeded", "final_step": 60, "target_step": 60})
+
+
+def test_a_trial_records_its_placement_group_where_the_sweep_driver_finds_it(tmp_path):
+    """Tune ends a stopped trial's actor, and its training's driver with it: the sweep's driver
+    must find the workers' placement group by the trial alone. A plain run's record stays its own
+    (two runs of one job must not remove each other's)."""
+    from ray.train import UserCallback
+
+    from cluster import ray_adapter
+    from trainers import launch, sweep
+    from trainers.config import validate
+    from trainers.home import job_home
+
+    base = {"name": "s", "checkpoint": {"storage_root": str(tmp_path)}}
+    values, jobs_uri = {"training.learning_rate": 0.1}, str(tmp_path / "jobs")
+    spec = validate(trial_job_data(base, values, sweep.trial_job_name("abc_00001"), jobs_uri))
+    runtime = launch.Runtime(use_gpu=False, backend="gloo", mixed_precision="no")
+    trial = launch.build_trainer(spec, job_home(spec), runtime, "", None, callbacks=(UserCallback(),))
+    assert trial.pg_key == ray_adapter.placement_group_record(sweep.trial_job_key(base, values, "abc_00001", jobs_uri))
+    assert sweep.trial_job_key(base, values, "abc_00002", jobs_uri) != sweep.trial_job_key(base, values, "abc_00001",
+                                                                                           jobs_uri)
+    plain = [launch.build_trainer(spec, job_home(spec), runtime, "", None).pg_key for _ in range(2)]
+    assert plain[0] != plain[1] and trial.pg_key not in plain
+
+
+def test_a_trial_placement_group_that_cannot_be_removed_is_said_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    from cluster import ray_adapter
+    from trainers import sweep
+
+    def failing(key: bytes) -> None:
+        raise RuntimeError("GCS unreachable")
+
+    monkeypatch.setattr(ray_adapter, "remove_recorded_placement_group", failing)
+    said: list[str] = []
+    sweep.remove_trial_placement_group({"name": "s", "checkpoint": {"storage_root": str(tmp_path)}}, {}, "abc_00001",
+                                       str(tmp_path / "jobs"), said.append)
+    assert said == ["[etrain] note: could not remove trial abc_00001's placement group (RuntimeError: GCS unreachable)"]
