@@ -447,14 +447,13 @@ def remove_recorded_placement_group(key: bytes) -> None:
     recorded = kv_get(key)
     if recorded is None:
         return
-    kv_del(key)
     pg = PlacementGroup(PlacementGroupID(recorded))
-    if placement_group_table(pg).get("state") in (None, "REMOVED"):
-        return
-    try:
-        remove_placement_group(pg)
-    except ray.exceptions.RaySystemError:  # removed meanwhile
-        pass
+    if placement_group_table(pg).get("state") not in (None, "REMOVED"):
+        try:
+            remove_placement_group(pg)
+        except ray.exceptions.RaySystemError:  # removed meanwhile
+            pass
+    kv_del(key)  # only now: a removal that failed is found again by the next caller
 
 
 def _set_master_address(addr: str, port: int) -> None:

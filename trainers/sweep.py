@@ -329,43 +329,84 @@ def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
         raise RuntimeError(f"trial job {spec.name} failed: {summary['error']}")
 
 
-def trial_job_key(base: dict, values: dict[str, Any], trial_id: str, jobs_uri: str) -> str:
-    """The key a trial's job runs under in Ray (its folder's), as the trial itself derives it."""
-    from trainers.home import job_home
+def trial_job_key(jobs: StorageRoot, trial_id: str) -> str:
+    """The key a trial's job runs under in Ray, as the trial derives it (trainers.home: it depends
+    on the job's folder alone, ``trial_job_data`` fixes that folder under ``jobs``)."""
+    from trainers.home import JobHome
 
-    return job_home(validate(trial_job_data(base, values, trial_job_name(trial_id), jobs_uri))).key
+    return JobHome(jobs, trial_job_name(trial_id), "").key
 
 
-def remove_trial_placement_group(base: dict, values: dict[str, Any], trial_id: str, jobs_uri: str,
-                                 say=print) -> None:
-    """Remove the placement group a trial's training holds, if it still holds one.
+def remove_trial_placement_group(jobs: StorageRoot, trial_id: str, say=print) -> None:
+    """Remove the placement group a trial's training held, if it is still there.
 
     Tune stops a trial (its scheduler's early stop, an error) by ending the trial's actor: the
     training's controller, a child of it, goes too, but the workers' placement group belongs to the
     job and stays, holding their CPUs, until later trials could not start (bench/sweep.py hung
-    so). The trial records it under its job's key (cluster.ray_adapter.placement_group_record);
-    removing it ends the trial's workers, which is what stopping the trial means."""
+    so). The trial records it under its job's key (cluster.ray_adapter.placement_group_record)."""
     from cluster import ray_adapter
 
     try:
-        ray_adapter.remove_recorded_placement_group(
-            ray_adapter.placement_group_record(trial_job_key(base, values, trial_id, jobs_uri)))
+        ray_adapter.remove_recorded_placement_group(ray_adapter.placement_group_record(trial_job_key(jobs, trial_id)))
     except Exception as exc:  # boundary: a leftover only costs capacity; the sweep goes on
         say(f"[etrain] note: could not remove trial {trial_id}'s placement group ({type(exc).__name__}: {exc})")
 
 
-def trial_cleanup_callback(base: dict, jobs_uri: str, say=print):
-    """A Tune callback that removes each ended trial's placement group (:func:`remove_trial_placement_group`).
-    Tune calls it as it decides to stop a trial, before ending the trial's actor; a trial that
-    finished by itself has removed its own already."""
+def trial_cleanup_callback(jobs: StorageRoot):
+    """A Tune callback that removes an ended trial's placement group once the trial's actor is gone.
+
+    Tune tells callbacks a trial ended before it ends the actor. Removed then, the group's loss
+    would look like a lost node to the trial's own driver, which would start a new group (and
+    record it after the removal). So each ended trial's actor is asked whether it is still there
+    (one small call a second, Ray's public API) and its group removed when it is not; whatever is
+    left when the sweep ends, then. A trial that finished by itself has removed its own already.
+    It holds no ``say``: Tune pickles its callbacks with the sweep, and a caller's printer (a
+    replaced ``print``) may not pickle."""
+    import ray
     from ray import tune
 
     class RemoveEndedTrialsPlacementGroups(tune.Callback):
+        POLL_INTERVAL_S = 1.0
+
+        def __init__(self):
+            self.ending: dict[str, list] = {}  # trial id -> [its actor, the pending liveness call or None]
+            self.polled_at = 0.0
+
         def on_trial_complete(self, iteration, trials, trial, **info):
-            remove_trial_placement_group(base, trial.config, trial.trial_id, jobs_uri, say)
+            self._ended(trial)
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            remove_trial_placement_group(base, trial.config, trial.trial_id, jobs_uri, say)
+            self._ended(trial)
+
+        def _ended(self, trial) -> None:
+            actor = trial.temporary_state.ray_actor
+            if actor is None:
+                remove_trial_placement_group(jobs, trial.trial_id)
+            else:
+                self.ending[trial.trial_id] = [actor, None]
+
+        def on_step_begin(self, iteration, trials, **info):
+            if not self.ending or time.monotonic() - self.polled_at < self.POLL_INTERVAL_S:
+                return
+            self.polled_at = time.monotonic()
+            for trial_id, entry in list(self.ending.items()):
+                actor, call = entry
+                if call is None:
+                    entry[1] = actor.__ray_ready__.remote()
+                    continue
+                if not ray.wait([call], timeout=0)[0]:
+                    continue
+                try:
+                    ray.get(call)
+                    entry[1] = None  # still there: ask again
+                except ray.exceptions.RayActorError:  # gone, and its driver with it
+                    del self.ending[trial_id]
+                    remove_trial_placement_group(jobs, trial_id)
+
+        def on_experiment_end(self, trials, **info):
+            for trial_id in list(self.ending):
+                del self.ending[trial_id]
+                remove_trial_placement_group(jobs, trial_id)
 
     return RemoveEndedTrialsPlacementGroups()
 
@@ -452,13 +493,13 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
                 tune_config=tune.TuneConfig(metric=s.metric, mode=s.mode, num_samples=s.samples,
                                             search_alg=make_searcher(s), scheduler=make_scheduler(s)),
                 run_config=tune.RunConfig(name="tune", storage_path=tune_path, storage_filesystem=root.fs,
-                                          callbacks=[trial_cleanup_callback(plan.base, jobs.uri, say)],
+                                          callbacks=[trial_cleanup_callback(jobs)],
                                           failure_config=tune.FailureConfig(max_failures=0), verbose=1),
             )
         grid = tuner.fit()
         rows = result_rows(grid, s.metric)
-        for row in rows:  # whatever the callback could not remove (a trial stopped while its group started)
-            remove_trial_placement_group(plan.base, row["params"], row["trial"], jobs.uri, say)
+        for row in rows:  # a resumed sweep started before this callback existed, or a callback's missed call
+            remove_trial_placement_group(jobs, row["trial"], say)
         settle_trial_summaries(rows, plan.base, jobs)
         best = best_row(rows, s.metric, s.mode)
         report = {"name": plan.name, "metric": s.metric, "mode": s.mode, "scheduler": s.scheduler,
