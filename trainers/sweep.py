@@ -399,7 +399,7 @@ def trial_cleanup_callback(jobs: StorageRoot):
                 try:
                     ray.get(call)
                     entry[1] = None  # still there: ask again
-                except ray.exceptions.RayActorError:  # gone, and its driver with it
+                except Exception:  # boundary: gone (RayActorError), or past asking: the trial has ended either way
                     del self.ending[trial_id]
                     remove_trial_placement_group(jobs, trial_id)
 
