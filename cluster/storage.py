@@ -207,6 +207,7 @@ def _delete_each(fs: pafs.FileSystem, folders: list[str]) -> None:
             fs.delete_dir(folder)
 
 
+S3_DELETE_ATTEMPTS = 3  # boto3's tries of one DeleteObjects (its standard back-off between them)
 _BATCH_REFUSED: set = set()  # boto3 clients refused where pyarrow was not: pyarrow deletes from then on
 TRANSIENT_S3_CODES = ("SlowDown", "RequestTimeout", "Throttling", "ThrottlingException", "TooManyRequests",
                       "InternalError", "ServiceUnavailable", "OperationAborted")
@@ -236,7 +237,7 @@ def _s3_client_for(endpoint_url: str | None, region: str | None, connect_timeout
     from botocore.config import Config
 
     config = Config(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s,
-                    retries={"mode": "standard", "max_attempts": 3},
+                    retries={"mode": "standard", "max_attempts": S3_DELETE_ATTEMPTS},
                     s3={"addressing_style": "path"})  # works with every endpoint, AWS's included
     try:
         return boto3.session.Session().client(

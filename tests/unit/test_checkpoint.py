@@ -195,10 +195,15 @@ def test_a_retention_round_on_s3_is_one_listing_and_one_delete(s3_server, tmp_pa
                                           for name in (ckpt.MANIFEST, "model_50.pt")]
 
 
-def test_a_failed_delete_is_said_and_the_next_round_deletes(s3_server, tmp_path):
+def test_a_failed_delete_is_said_and_the_next_round_deletes(s3_server, tmp_path, monkeypatch):
     """S3 refuses the delete past the client's retries: training goes on (retention is
     housekeeping), the round says what it could not delete, and the next round deletes it."""
     from faulty_proxy import FaultyProxy
+
+    from cluster import storage
+
+    # boto3's back-off would only add seconds here; the client is this test's own (the proxy's port)
+    monkeypatch.setattr(storage, "S3_DELETE_ATTEMPTS", 1)
 
     direct, run = s3_run(s3_server, tmp_path, "prune-refused", [(10, 0.5), (20, 0.4), (30, 0.3)])
     proxy = FaultyProxy(s3_server, lambda method, path: method == "POST", times=20)
