@@ -78,8 +78,7 @@ def write(fs: pafs.FileSystem, path: str, state: dict, file_name: str, metrics: 
 def verify(fs: pafs.FileSystem, path: str) -> tuple[dict | None, str | None]:
     """(manifest, None) when every file matches its manifest, else (None, why not)."""
     try:
-        with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
-            manifest = json.loads(f.read())
+        manifest = read_manifest(fs, path)
     except FileNotFoundError:
         return None, "no manifest.json (the checkpoint was never completed)"
     except (OSError, ValueError) as exc:
@@ -154,8 +153,7 @@ def list_checkpoints(fs: pafs.FileSystem, run_path: str) -> list[dict]:
         if info.type != pafs.FileType.Directory or step is None:
             continue
         try:
-            with fs.open_input_stream(posixpath.join(info.path, MANIFEST)) as f:
-                manifest = json.loads(f.read())
+            manifest = read_manifest(fs, info.path)
         except (OSError, ValueError):
             manifest = None
         out.append({"step": step, "path": info.path, "complete": manifest is not None,
@@ -216,8 +214,7 @@ def retention_entry(fs: pafs.FileSystem, path: str, step: int, metric: str | Non
     if MANIFEST not in sizes:
         return Kept(step, None, False)
     try:
-        with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
-            manifest = json.loads(f.read())
+        manifest = read_manifest(fs, path)
     except (FileNotFoundError, ValueError):  # gone since the listing, or a garbled manifest
         return Kept(step, None, False)
     except OSError as exc:
