@@ -47,12 +47,15 @@ class _Hashing:
         """torch.save flushes; the storage stream uploads when it is closed."""
 
 
-def write(fs: pafs.FileSystem, path: str, state: dict, file_name: str, metrics: dict | None = None) -> dict:
+def write(fs: pafs.FileSystem, path: str, state: dict, file_name: str, metrics: dict | None = None,
+          fresh: bool = False) -> dict:
     """Write a checkpoint folder straight to its place in storage and return its manifest.
 
     The state streams to storage as torch serialises it, hashed on the way (no local copy, no
     second read); the manifest that vouches for it goes last, whole, so its presence means
     'complete'. On S3 that is two PUTs and no folder markers.
+    ``fresh``: the caller knows the folder holds nothing (a listing did not have it), so there
+    is no old manifest to delete first: on S3 that saves a request (a HEAD) a checkpoint.
     """
     import torch  # here, not at the top: drivers list and verify checkpoints without torch
 
@@ -61,10 +64,11 @@ def write(fs: pafs.FileSystem, path: str, state: dict, file_name: str, metrics: 
     if isinstance(fs, pafs.LocalFileSystem):
         fs.create_dir(path, recursive=True)
     manifest_path = posixpath.join(path, MANIFEST)
-    try:  # a folder written again: its old manifest must not vouch for the new file
-        fs.delete_file(manifest_path)
-    except FileNotFoundError:
-        pass
+    if not fresh:
+        try:  # a folder written again: its old manifest must not vouch for the new file
+            fs.delete_file(manifest_path)
+        except FileNotFoundError:
+            pass
     with fs.open_output_stream(posixpath.join(path, file_name)) as out:
         hashing = _Hashing(out)
         torch.save(state, hashing)
@@ -120,17 +124,23 @@ def choose_restore(candidates: list[Candidate]) -> tuple[Candidate | None, list[
     return None, skipped
 
 
-def find_restore(fs: pafs.FileSystem, run_path: str) -> tuple[Candidate | None, list[Candidate]]:
-    """Verify checkpoints newest first, stopping at the first good one."""
+def checkpoint_folders(fs: pafs.FileSystem, run_path: str) -> list[tuple[int, str]]:
+    """Every checkpoint folder in the run folder, newest first, as (step, path): one listing."""
     try:
         infos = fs.get_file_info(pafs.FileSelector(run_path, recursive=False, allow_not_found=True))
     except FileNotFoundError:
         infos = []
-    found = sorted(((step_of(posixpath.basename(i.path)), i.path) for i in infos
-                    if i.type == pafs.FileType.Directory and step_of(posixpath.basename(i.path)) is not None),
-                   reverse=True)
+    return sorted(((step_of(posixpath.basename(i.path)), i.path) for i in infos
+                   if i.type == pafs.FileType.Directory and step_of(posixpath.basename(i.path)) is not None),
+                  reverse=True)
+
+
+def find_restore(fs: pafs.FileSystem, run_path: str,
+                 folders: list[tuple[int, str]] | None = None) -> tuple[Candidate | None, list[Candidate]]:
+    """Verify checkpoints newest first, stopping at the first good one. ``folders``: the run
+    folder's :func:`checkpoint_folders`, when the caller has listed it already."""
     checked = []
-    for step, path in found:
+    for step, path in checkpoint_folders(fs, run_path) if folders is None else folders:
         _, problem = verify(fs, path)
         checked.append(Candidate(step, path, problem))
         if problem is None:

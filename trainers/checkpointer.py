@@ -257,13 +257,17 @@ class Checkpointer:
     """Owns cadence, the background write/report, JIT checkpoints and retention."""
 
     def __init__(self, spec, root, run_path: str, rank: int, world: int, device: torch.device,
-                 after_write: Callable[[int, bool], None], yield_cpu: bool = False):
+                 after_write: Callable[[int, bool], None], yield_cpu: bool = False,
+                 folders_found: set[str] | None = None):
         """``after_write(step, jit)``: run once each checkpoint is written (and reported, when it is): the
         heartbeat, on the checkpoint thread.
         ``yield_cpu``: the ranks run wholly under SCHED_BATCH, where a waking rank thread does not preempt
         the checkpoint thread (CPU training): only there does the thread yield. Elsewhere a waking thread
         preempts it anyway, and an idle-class thread that holds the GIL on a busy machine would make the
-        training thread wait for the little CPU time SCHED_IDLE gets."""
+        training thread wait for the little CPU time SCHED_IDLE gets.
+        ``folders_found``: the checkpoint folders storage held when the attempt began (rank 0's restore
+        listing). Only those, and the ones this attempt writes, can hold an old manifest to delete
+        before a write; None: not known, so every write deletes first (on S3 a HEAD a checkpoint)."""
         c = spec.checkpoint
         self.interval_steps, self.min_gap_s, self.background = c.interval, c.min_interval_s, c.upload == "async"
         self.report_interval_s = c.report_interval_s
@@ -278,6 +282,7 @@ class Checkpointer:
         self._write_fs = None  # the run's filesystem, writing in the calling thread
         self._pending: Future | None = None
         self._retention_known: dict[str, ckpt.Kept] = {}  # complete checkpoints retention has read
+        self._maybe_written = None if folders_found is None else set(folders_found)  # may hold a manifest
         fs = root.fs if root is not None else None  # None: a checkpointer that never prunes
         if rank == 0 and spec.checkpoint.num_to_keep is not None and isinstance(fs, pafs.S3FileSystem):
             s3_client_like(fs)  # retention's S3 client (boto3's import, ~0.5 s) now, not mid-training
@@ -383,9 +388,12 @@ class Checkpointer:
                 fs, path = run_storage_filesystem(), posixpath.join(self.run_path, ckpt.dir_name(done))
                 if self._write_fs is None:
                     self._write_fs = foreground(fs)
+                fresh = self._maybe_written is not None and path not in self._maybe_written
+                if self._maybe_written is not None:
+                    self._maybe_written.add(path)
                 try:
                     manifest = write_with_retries(self._write_fs, path, state, self.spec.checkpoint.file_name(done),
-                                                  metrics)
+                                                  metrics, fresh)
                     self._retention_known[path] = ckpt.kept(manifest, self.spec.checkpoint.keep_best_metric, done)
                     checkpoint = Checkpoint(path, filesystem=fs)
                 except Exception as exc:  # re-raised below, after the report every other rank waits in
@@ -422,12 +430,13 @@ TRANSIENT_STORAGE_ERRORS = ("AWS Error SLOW_DOWN", "AWS Error INTERNAL_FAILURE",
                             "AWS Error NETWORK_CONNECTION", "AWS Error UNKNOWN")
 
 
-def write_with_retries(fs, path: str, state: dict, file_name: str, metrics: dict) -> dict:
+def write_with_retries(fs, path: str, state: dict, file_name: str, metrics: dict, fresh: bool = False) -> dict:
     """``ckpt.write``, tried again after 1 s and 2 s when storage fails transiently (past the S3
-    client's own retries)."""
+    client's own retries). ``fresh`` holds for the first try only: a failed one may have left a
+    manifest (its PUT landed, the answer did not)."""
     for attempt in range(1, WRITE_ATTEMPTS + 1):
         try:
-            return ckpt.write(fs, path, state, file_name, metrics)
+            return ckpt.write(fs, path, state, file_name, metrics, fresh=fresh and attempt == 1)
         except OSError as exc:
             if attempt == WRITE_ATTEMPTS or not any(token in str(exc) for token in TRANSIENT_STORAGE_ERRORS):
                 raise

@@ -227,6 +227,7 @@ class Trainer:
         self.target = target_step(spec, self.plan.steps_per_epoch)
         self.stop = min(self.target, config.get("stop_at_step") or self.target)
         self.start, self.restored, self.jit_taken = 0, {}, False
+        self.folders_found: set[str] | None = None  # rank 0: the checkpoint folders storage held at restore
         self.logger = worker_logger(self.rank)
         # CPU ranks wholly, else Ray's main thread: its wake-ups and gloo's must not preempt the step
         self.scheduling = batch_schedule_worker(whole_process=self.device.type == "cpu")
@@ -274,7 +275,9 @@ class Trainer:
         """Rank 0 picks the newest verified checkpoint; every rank loads that one."""
         choice = [None]
         if self.rank == 0:
-            chosen, skipped = ckpt.find_restore(self.root.fs, self.run_path)
+            folders = ckpt.checkpoint_folders(self.root.fs, self.run_path)
+            self.folders_found = {path for _, path in folders}
+            chosen, skipped = ckpt.find_restore(self.root.fs, self.run_path, folders)
             for c in skipped:
                 self.logger.warning("skipping checkpoint %s: %s", self.root.uri_of(c.path[len(self.root.base) + 1:]),
                                     c.problem)
@@ -323,7 +326,7 @@ class Trainer:
 
         after_write = self.pulse.checkpointed if self.pulse else (lambda step, jit: None)
         self.checkpointer = Checkpointer(spec, self.root, self.run_path, rank, self.world, self.device, after_write,
-                                         yield_cpu=self.scheduling == BATCH_EVERY_THREAD)
+                                         yield_cpu=self.scheduling == BATCH_EVERY_THREAD, folders_found=self.folders_found)
 
     # -------------------------------------------------------------- the loop
 

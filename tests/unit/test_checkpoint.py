@@ -393,6 +393,32 @@ def test_a_checkpoint_streams_to_s3_as_two_objects_and_a_failed_state_upload_lea
     assert ckpt.verify(direct, failing) == (None, "no manifest.json (the checkpoint was never completed)")
 
 
+def test_a_fresh_folder_is_written_in_two_puts_and_one_written_again_is_cleared_first(s3_server):
+    """On S3 a write is the state's PUT and the manifest's; the old-manifest delete before them
+    (pyarrow's delete starts with a HEAD) only where the caller does not know the folder is new."""
+    import boto3
+    from faulty_proxy import FaultyProxy
+
+    boto3.client("s3").create_bucket(Bucket="fresh")
+    proxy = FaultyProxy(s3_server, lambda method, path: False)
+    try:
+        fs = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http",
+                               allow_delayed_open=True)
+        folder = f"fresh/job/checkpoints/{ckpt.dir_name(10)}"
+        ckpt.write(fs, folder, {"step": 10}, "model_10.pt", fresh=True)
+        first = [(method, path) for method, path, _ in proxy.passed]
+        proxy.passed.clear()
+        ckpt.write(fs, folder, {"step": 10, "again": True}, "model_10.pt")
+        again = [(method, path) for method, path, _ in proxy.passed]
+    finally:
+        proxy.close()
+    state, manifest = f"/{folder}/model_10.pt", f"/{folder}/{ckpt.MANIFEST}"
+    assert first == [("PUT", state), ("PUT", manifest)], first
+    assert again[0] == ("HEAD", manifest) and ("DELETE", manifest) in again, again
+    assert again.index(("DELETE", manifest)) < again.index(("PUT", state)), again
+    assert ckpt.load_state(fs, folder)["again"] is True
+
+
 def test_a_folder_written_again_loses_its_old_manifest_before_the_new_state(tmp_path, monkeypatch):
     """A retry writes checkpoint N again where a good one was skipped: the old manifest must not
     vouch for a new state file that never finished (retention checks sizes only)."""

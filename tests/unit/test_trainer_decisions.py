@@ -178,7 +178,8 @@ def test_settling_logs_a_failed_or_stuck_checkpoint_and_does_not_hang(caplog):
 LINUX_ONLY = pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="scheduling policies are Linux's")
 
 
-def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: None, yield_cpu=True, **checkpoint):
+def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: None, yield_cpu=True, folders_found=None,
+                         **checkpoint):
     """A rank-0, world-1 Checkpointer on local storage whose ``ray.train.report`` is ``report``."""
     import pyarrow.fs as pafs
     import ray.train
@@ -192,7 +193,7 @@ def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: 
     root = open_root(str(tmp_path))
     spec = validate({"name": "writes", "checkpoint": {"interval": 5, "storage_root": str(tmp_path), **checkpoint}})
     return Checkpointer(spec, root, root.path("writes", "checkpoints"), 0, 1, torch.device("cpu"), after,
-                        yield_cpu=yield_cpu)
+                        yield_cpu=yield_cpu, folders_found=folders_found)
 
 
 def test_a_checkpoint_is_in_place_before_ray_hears_of_it_and_ray_is_told_to_keep_it(monkeypatch, tmp_path):
@@ -276,6 +277,39 @@ def test_checkpoints_between_reports_are_written_and_beat_but_not_reported_prune
     assert reports == [5, 20, 30] and sorted(p.name for p in folder.glob("checkpoint_*")) == [ckpt.dir_name(30)]
 
 
+@pytest.mark.parametrize("found, fresh", [
+    (None, [False, False, False]),  # not listed: every write deletes an old manifest first
+    (set(), [True, True, False]),  # a new run: only the folder it writes twice may hold one
+    ({5}, [False, True, False]),  # 5 was in storage at restore
+])
+def test_only_a_folder_that_may_hold_a_manifest_is_cleared_before_a_write(monkeypatch, tmp_path, found, fresh):
+    """The old-manifest delete costs a request a checkpoint on S3 (pyarrow's delete is a HEAD
+    first): a folder that neither the restore listing nor this attempt had cannot hold one."""
+    import pyarrow.fs as pafs
+
+    from trainers import checkpoint as ckpt
+    from trainers import checkpointer
+    from trainers.checkpointer import Kind
+
+    written, real_write = [], ckpt.write
+
+    def spy(fs, path, state, file_name, metrics=None, fresh=False):
+        written.append((ckpt.step_of(path.rsplit("/", 1)[-1]), fresh))
+        return real_write(fs, path, state, file_name, metrics, fresh=fresh)
+
+    monkeypatch.setattr(checkpointer.ckpt, "write", spy)
+    folder = tmp_path / "writes" / "checkpoints"
+    found = None if found is None else {str(folder / ckpt.dir_name(step)) for step in found}
+    c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: None, min_interval_s=0,
+                             folders_found=found)
+    for done, kind in ((5, Kind.INTERVAL), (10, Kind.INTERVAL), (10, Kind.JIT)):  # a notice at the step of 10
+        c.save(done, kind, lambda d=done: {"step": d}, {"n": done})
+        c.wait()
+    c.close()
+    assert written == list(zip((5, 10, 10), fresh))
+    assert ckpt.find_restore(pafs.LocalFileSystem(), str(folder))[0].step == 10
+
+
 def test_every_rank_follows_rank_zeros_word_on_reporting(monkeypatch, tmp_path):
     """The report is a barrier: a rank whose own clock says otherwise still reports exactly when
     rank 0 does (here rank 0 says: take it, do not report; this rank's clock says report)."""
@@ -310,7 +344,7 @@ def test_a_failed_write_between_reports_is_raised_at_the_next_wait_without_a_rep
                              min_interval_s=0, report_interval_s=3600)
     c.save(5, c.kind(5, 30, False, False), lambda: {"step": 5}, {})
     c.wait()
-    monkeypatch.setattr(checkpointer.ckpt, "write", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(checkpointer.ckpt, "write", lambda *a, **kw: (_ for _ in ()).throw(OSError("disk full")))
     c.save(10, c.kind(10, 30, False, False), lambda: {"step": 10}, {})
     with pytest.raises(OSError, match="disk full"):
         c.wait()
@@ -340,8 +374,8 @@ def test_storage_failures_are_tried_three_times_then_raised(monkeypatch, caplog)
 
     calls = []
 
-    def flaky(*args):
-        calls.append(args)
+    def flaky(*args, fresh):
+        calls.append((*args, fresh))
         if len(calls) < 3:
             raise OSError("When uploading part: AWS Error SLOW_DOWN")
         return {"step": 1}
@@ -349,11 +383,13 @@ def test_storage_failures_are_tried_three_times_then_raised(monkeypatch, caplog)
     monkeypatch.setattr(checkpointer.ckpt, "write", flaky)
     monkeypatch.setattr(checkpointer.time, "sleep", lambda s: None)
     with caplog.at_level("WARNING"):
-        assert checkpointer.write_with_retries(None, "run/checkpoint_000000001", {}, "m.pt", {}) == {"step": 1}
+        assert checkpointer.write_with_retries(None, "run/checkpoint_000000001", {}, "m.pt", {}, fresh=True) == {"step": 1}
     assert len(calls) == 3 and "checkpoint_000000001: writing failed" in caplog.text and "try 3 of 3" in caplog.text
+    # a failed try may have left a manifest (its PUT landed, the answer did not): later tries clear it
+    assert [fresh for *_, fresh in calls] == [True, False, False]
     calls.clear()
 
-    def denied(*args):
+    def denied(*args, fresh):
         calls.append(args)
         raise OSError("When initiating multiple part upload: AWS Error ACCESS_DENIED")
 
@@ -371,7 +407,7 @@ def test_a_failed_write_still_joins_rays_report_barrier_then_raises(monkeypatch,
 
     reported = []
     c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reported.append(checkpoint))
-    monkeypatch.setattr(checkpointer.ckpt, "write", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(checkpointer.ckpt, "write", lambda *a, **kw: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
         c.save(9, Kind.JIT, lambda: {"step": 9}, {})
     c.close()
