@@ -16,7 +16,11 @@ local Ray included, is stopped), and counts only the windows wholly inside a tur
   the checkpoints taken are printed). Ray's record of them, retention and the metrics flush come
   with one checkpoint in ~2 s (checkpoint.report_interval_s), about one window in seven at this
   cadence: trimming the slowest tenth could hide part of their cost, so the ratio with every
-  window counted is printed beside it. The figure is the median of the pairs' ratios.
+  window counted is printed beside it. The figure is the median of the pairs' ratios. Pairs
+  take turns at starting first, and their number is best even: a pair's ratio depended on which
+  job started first (the job started first ran the slower, by 0.01-0.05 of the ratio in each of 8
+  pairs of pairs with the S3 server below; with moto's own server, either way), so an odd number
+  of pairs leans towards one order.
 - report() blocking seconds, async and sync (median over the job's checkpoints): what the
   training thread paid at a checkpoint (the state copy is reported apart, as save seconds).
 - async checkpoints taken: an interval checkpoint is left to the next interval step while the
@@ -27,7 +31,8 @@ local Ray included, is stopped), and counts only the windows wholly inside a tur
   whose two cores the ranks train on.
 
 The same pairs run with local-disk storage: what our side and Ray's reporting cost, without
-the S3 emulation. The S3 server runs in a process of its own under the idle scheduling class
+the S3 emulation. The S3 server (moto's S3 backend served by uvicorn: bench/s3_server.py, which
+says why not moto's own server) runs in a process of its own under the idle scheduling class
 (SCHED_IDLE: it runs when nothing else on the machine wants a core): it stands in for a remote
 bucket, whose request handling is not this machine's work. (In the benchmark's own process, and
 then at nice 19, which still takes ~1/6 of a core from Ray's nice-15 workers, moto's Python
@@ -35,7 +40,7 @@ request handling took 6-7 CPU-seconds a run from the two cores the workers train
 kept pace shows in the checkpoints taken, printed beside those taken to local disk: a checkpoint
 still uploading when the next is due is skipped.
 
-    python bench/checkpoint.py [--steps 3000] [--interval 100] [--pairs 3] [--slice-s 4]
+    python bench/checkpoint.py [--steps 3000] [--interval 100] [--pairs 4] [--slice-s 4]
 """
 
 from __future__ import annotations
@@ -68,9 +73,8 @@ def free_port() -> int:
 
 
 def start_s3(port: int) -> subprocess.Popen:
-    """moto's server in its own process under the idle scheduling class, answering on loopback."""
-    server = subprocess.Popen(["chrt", "--idle", "0", str(Path(sys.executable).parent / "moto_server"),
-                               "-H", "127.0.0.1", "-p", str(port)],
+    """The S3 stand-in (bench/s3_server.py) in its own process under the idle scheduling class, on loopback."""
+    server = subprocess.Popen(["chrt", "--idle", "0", sys.executable, str(REPO / "bench" / "s3_server.py"), str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -80,7 +84,7 @@ def start_s3(port: int) -> subprocess.Popen:
         except OSError:
             time.sleep(0.2)
     server.kill()
-    raise SystemExit("the moto S3 server did not start within 60 s")
+    raise SystemExit("the S3 server (bench/s3_server.py) did not start within 60 s")
 
 
 BATCH = 128  # global samples a step
@@ -146,7 +150,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--interval", type=int, default=100)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--pairs", type=int, default=3, help="(none, async) pairs, each run in turns")
+    parser.add_argument("--pairs", type=int, default=4, help="(none, async) pairs, each run in turns, taking turns "
+                        "at starting first (an even number balances the two orders)")
     parser.add_argument("--slice-s", type=float, default=4.0, help="how long each job runs in its turn")
     parser.add_argument("--settle-s", type=float, default=0.3, help="windows starting this soon after a turn "
                         "begins are not counted")

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO)]
 from bench.turns import kill_tree  # noqa: E402  (the repository is on the path from here)
 # script, repeats, extra arguments
-PLAN = [("data.py", 3, []), ("ddp_overhead.py", 1, ["--repeats", "3"]), ("checkpoint.py", 1, ["--pairs", "3"]),
+PLAN = [("data.py", 3, []), ("ddp_overhead.py", 1, ["--repeats", "3"]), ("checkpoint.py", 1, ["--pairs", "4"]),
         ("service.py", 2, []), ("sweep.py", 1, []), ("preemption.py", 1, [])]
 TIMEOUTS_S = {"sweep.py": 600}  # ~2 minutes when it works; once, its trials waited for placement groups never freed
 # figure -> (comparison, target, what it is); only figures with a target are judged
