@@ -70,9 +70,10 @@ def group_kinds(kinds: list[tuple[str, NodeKind]]) -> dict[NodeKind, int]:
 class Observer:
     def __init__(self, spec: JobSpec, root: StorageRoot, rank: int, device: torch.device, submitted_at: float,
                  restored: dict | None, kinds: dict[NodeKind, int], job: str | None = None,
-                 staging: str | None = None):
+                 staging: str | None = None, *, start_step: int):
         """``job``: the job's folder under ``root`` (its name unless checkpoint.path is absolute);
-        ``staging``: rank 0's local folder for files on their way to storage."""
+        ``staging``: rank 0's local folder for files on their way to storage; ``start_step``: the
+        step the attempt resumed from (0: from the start)."""
         self.spec, self.root, self.rank, self.device = spec, root, rank, device
         self.job = job or spec.name
         self.submitted_at = submitted_at
@@ -84,7 +85,8 @@ class Observer:
         self.node_hours: dict[NodeKind, float] = {}
         self.history = MetricsHistory(root, self.job) if rank == 0 else None
         self.staging = staging or tempfile.gettempdir()
-        self.tb = TensorBoard(root, spec, self.job, os.path.join(self.staging, TENSORBOARD_DIR)) if rank == 0 else None
+        self.tb = (TensorBoard(root, spec, self.job, os.path.join(self.staging, TENSORBOARD_DIR), start_step)
+                   if rank == 0 else None)
         self.wait_s = 0.0
         self.window_steps = 0
         self.last_checkpoint: dict = {}
@@ -231,12 +233,17 @@ class TensorBoard:
 
     Each flush closes the current event file, uploads it, and starts the next: a flush moves only
     the events since the last, where copying the one growing file would move the whole run's events
-    again at every checkpoint. TensorBoard reads a folder's event files in the order of their names
-    and drops what goes back in steps, so each is stored under a name that sorts in upload order,
-    across attempts too (the writer's own names end in a counter that sorts 10 before 9)."""
+    again at every checkpoint. TensorBoard reads a folder's event files in the order of their names,
+    so each is stored under a name that sorts in upload order, across attempts too (the writer's own
+    names end in a counter that sorts 10 before 9). An attempt's first file starts with a session
+    start at the step after the one it resumed from: TensorBoard then drops what earlier files hold
+    from that step on (what the attempt before logged past its checkpoint, trained again now). A
+    step going back does not do it: with event files of version 2 only a session start purges."""
 
-    def __init__(self, root: StorageRoot, spec: JobSpec, job: str, local: str):
+    def __init__(self, root: StorageRoot, spec: JobSpec, job: str, local: str, start_step: int = 0):
+        """``start_step``: the step this attempt resumed from (0: from the start)."""
         self.root, self.job, self.local = root, job, local
+        self._purge_step: int | None = start_step + 1  # for the attempt's first event file only
         self._lock = threading.Lock()  # the training thread logs while the checkpoint thread flushes
         self._uploaded = 0
         self._dirty, self._closed = True, False  # events since the last upload; closed for good
@@ -268,7 +275,8 @@ class TensorBoard:
     def _open(self):
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(log_dir=self.local, filename_suffix=self._suffix)
+        purge_step, self._purge_step = self._purge_step, None
+        return SummaryWriter(log_dir=self.local, filename_suffix=self._suffix, purge_step=purge_step)
 
     def upload(self) -> None:
         """Upload the events written since the last upload (each closed file once, then removed)."""

@@ -319,7 +319,8 @@ class Trainer:
             kinds = gathered
         staging = staging_folder(self.job_key) if rank == 0 else None
         self.observer = Observer(spec, self.root, rank, self.device, self.config.get("submitted_at") or time.time(),
-                                 self.restored.get("observer"), group_kinds(kinds), job=self.job, staging=staging)
+                                 self.restored.get("observer"), group_kinds(kinds), job=self.job, staging=staging,
+                                 start_step=self.start)
         if rank == 0:
             known = self.root.read_json(self.job, INTERRUPTIONS_FILE) if self.root.exists(self.job, INTERRUPTIONS_FILE) else []
             self.observer.interruptions(known)

@@ -247,6 +247,34 @@ def test_tensorboard_across_attempts_stores_names_in_upload_order_and_leaves_not
     assert sorted(order) == order, order
 
 
+def test_an_attempt_that_resumes_hides_the_steps_the_one_before_logged_past_its_checkpoint(tmp_path):
+    """An attempt dies at step 30 with 20 its newest checkpoint; the next trains 30 again. Event
+    files of version 2 are never purged by a step going back, only by a session start at a step:
+    without one TensorBoard drew step 30 twice (each attempt's value)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cluster.storage import open_root
+    from trainers.config import validate
+    from trainers.observe import TensorBoard
+
+    spec = validate({"name": "tb-resume", "training": {"max_steps": 40}})
+    root = open_root(str(tmp_path / "storage"))
+    first = TensorBoard(root, spec, "tb", str(tmp_path / "local-0"), start_step=0)
+    for step in (10, 20, 30):
+        first.scalars({"step": step, "loss": 1.0})
+    first.upload()
+    first.close()
+    time.sleep(0.01)
+    second = TensorBoard(root, spec, "tb", str(tmp_path / "local-1"), start_step=20)
+    for step in (30, 40):
+        second.scalars({"step": step, "loss": 2.0})
+    second.upload()
+    second.close()
+    acc = EventAccumulator(str(tmp_path / "storage" / "tb" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 1.0), (20, 1.0), (30, 2.0), (40, 2.0)]
+
+
 def test_history_rows_no_flush_wrote_ride_in_the_checkpoint_and_the_next_attempt_writes_them(tmp_path):
     """A checkpoint between reports flushes nothing: the rows logged before it go into it, and the
     attempt that restores it writes them (history and TensorBoard), so a restart leaves no gap.
@@ -262,14 +290,15 @@ def test_history_rows_no_flush_wrote_ride_in_the_checkpoint_and_the_next_attempt
     spec = validate({"name": "carry", "training": {"max_steps": 30}})
     root = open_root(str(tmp_path / "storage"))
 
-    def observer(restored):
-        return Observer(spec, root, 0, torch.device("cpu"), 0.0, restored, {}, staging=str(tmp_path / "staging"))
+    def observer(restored, start_step):
+        return Observer(spec, root, 0, torch.device("cpu"), 0.0, restored, {}, staging=str(tmp_path / "staging"),
+                        start_step=start_step)
 
     def log(obs, step):
         obs.log_step({"step": step, "loss": 1.0 / step, "learning_rate": 0.1, "samples_per_s": 1.0,
                       "tokens_per_s": 0.0, "world_size": 1}, 1.0)
 
-    first = observer(None)
+    first = observer(None, 0)
     log(first, 10)
     first.flusher()()  # the reported checkpoint at 10
     assert first.checkpoint_state()["unflushed_rows"] == []
@@ -279,7 +308,7 @@ def test_history_rows_no_flush_wrote_ride_in_the_checkpoint_and_the_next_attempt
     first.close()
     assert [r["step"] for r in state["unflushed_rows"]] == [20, 30]
 
-    second = observer(state)
+    second = observer(state, 30)
     log(second, 40)
     second.flush()
     second.close()
