@@ -85,7 +85,9 @@ class Observer:
         self.node_hours: dict[NodeKind, float] = {}
         self.history = MetricsHistory(root, self.job) if rank == 0 else None
         self.staging = staging or tempfile.gettempdir()
-        self.tb = (TensorBoard(root, spec, self.job, os.path.join(self.staging, TENSORBOARD_DIR), start_step)
+        carried = restored.get("unflushed_rows") or []  # rank 0's: logged, not yet flushed at the checkpoint
+        first_step = min((row["step"] for row in carried), default=start_step + 1)
+        self.tb = (TensorBoard(root, spec, self.job, os.path.join(self.staging, TENSORBOARD_DIR), first_step)
                    if rank == 0 else None)
         self.wait_s = 0.0
         self.window_steps = 0
@@ -95,7 +97,7 @@ class Observer:
         self.profile_range = (p.start_step, p.start_step + p.num_steps) if p and rank == 0 else None
         self.profiler = None
         if self.history is not None:  # rows the restored checkpoint carried: no flush wrote them
-            for row in restored.get("unflushed_rows") or []:
+            for row in carried:
                 self.history.carry(row)
                 self.tb.scalars(row)
 
@@ -236,14 +238,14 @@ class TensorBoard:
     again at every checkpoint. TensorBoard reads a folder's event files in the order of their names,
     so each is stored under a name that sorts in upload order, across attempts too (the writer's own
     names end in a counter that sorts 10 before 9). An attempt's first file starts with a session
-    start at the step after the one it resumed from: TensorBoard then drops what earlier files hold
-    from that step on (what the attempt before logged past its checkpoint, trained again now). A
-    step going back does not do it: with event files of version 2 only a session start purges."""
+    start at the first step the attempt logs: TensorBoard then drops what earlier files hold from
+    that step on (what the attempt before logged past its checkpoint, trained again now). A step
+    going back does not do it: with event files of version 2 only a session start purges."""
 
-    def __init__(self, root: StorageRoot, spec: JobSpec, job: str, local: str, start_step: int = 0):
-        """``start_step``: the step this attempt resumed from (0: from the start)."""
+    def __init__(self, root: StorageRoot, spec: JobSpec, job: str, local: str, first_step: int = 1):
+        """``first_step``: the first step this attempt logs (rows a restored checkpoint carried count)."""
         self.root, self.job, self.local = root, job, local
-        self._purge_step: int | None = start_step + 1  # for the attempt's first event file only
+        self._purge_step: int | None = first_step  # for the attempt's first event file only
         self._lock = threading.Lock()  # the training thread logs while the checkpoint thread flushes
         self._uploaded = 0
         self._dirty, self._closed = True, False  # events since the last upload; closed for good

@@ -328,6 +328,11 @@ def test_user_error_uses_the_budget_and_resumes_from_checkpoint(flaky):
     assert record["restored_step"] == 10 and record["steps_lost"] <= 2, record
     # The row logged at step 10 was flushed by no report: checkpoint 10 carried it to the next attempt.
     assert [row["step"] for row in read_history(open_root(str(root)), "flaky")] == [5, 10, 15, 20]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(root / "flaky" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [5, 10, 15, 20]  # each once, across the attempts
     stored = json.loads((root / "flaky" / "interruptions.json").read_text())
     assert stored[-1]["run_id"] == record["run_id"]
     # Every paid second is billed: the attempts and the recovery between them, without a gap, at

@@ -259,13 +259,13 @@ def test_an_attempt_that_resumes_hides_the_steps_the_one_before_logged_past_its_
 
     spec = validate({"name": "tb-resume", "training": {"max_steps": 40}})
     root = open_root(str(tmp_path / "storage"))
-    first = TensorBoard(root, spec, "tb", str(tmp_path / "local-0"), start_step=0)
+    first = TensorBoard(root, spec, "tb", str(tmp_path / "local-0"), first_step=1)
     for step in (10, 20, 30):
         first.scalars({"step": step, "loss": 1.0})
     first.upload()
     first.close()
     time.sleep(0.01)
-    second = TensorBoard(root, spec, "tb", str(tmp_path / "local-1"), start_step=20)
+    second = TensorBoard(root, spec, "tb", str(tmp_path / "local-1"), first_step=21)
     for step in (30, 40):
         second.scalars({"step": step, "loss": 2.0})
     second.upload()
@@ -275,10 +275,13 @@ def test_an_attempt_that_resumes_hides_the_steps_the_one_before_logged_past_its_
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 1.0), (20, 1.0), (30, 2.0), (40, 2.0)]
 
 
-def test_history_rows_no_flush_wrote_ride_in_the_checkpoint_and_the_next_attempt_writes_them(tmp_path):
+@pytest.mark.parametrize("flushed_after", [False, True])
+def test_history_rows_no_flush_wrote_ride_in_the_checkpoint_and_the_next_attempt_writes_them(tmp_path, flushed_after):
     """A checkpoint between reports flushes nothing: the rows logged before it go into it, and the
     attempt that restores it writes them (history and TensorBoard), so a restart leaves no gap.
-    A reported checkpoint takes its rows before the state is built: it carries none twice."""
+    A reported checkpoint takes its rows before the state is built: it carries none twice.
+    ``flushed_after``: the attempt went on and flushed those rows at a later checkpoint, which the
+    restore then skipped (damaged): TensorBoard shows each step once all the same."""
     import torch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -305,6 +308,9 @@ def test_history_rows_no_flush_wrote_ride_in_the_checkpoint_and_the_next_attempt
     log(first, 20)
     log(first, 30)
     state = first.checkpoint_state()  # the checkpoint at 30, not reported; then the attempt dies
+    if flushed_after:
+        log(first, 40)
+        first.flush()
     first.close()
     assert [r["step"] for r in state["unflushed_rows"]] == [20, 30]
 
@@ -315,4 +321,4 @@ def test_history_rows_no_flush_wrote_ride_in_the_checkpoint_and_the_next_attempt
     assert [r["step"] for r in read_history(root, "carry")] == [10, 20, 30, 40]
     acc = EventAccumulator(str(tmp_path / "storage" / "carry" / "tensorboard"))
     acc.Reload()
-    assert sorted(e.step for e in acc.Scalars("train/loss")) == [10, 20, 30, 40]
+    assert [e.step for e in acc.Scalars("train/loss")] == [10, 20, 30, 40]
