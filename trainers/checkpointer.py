@@ -267,7 +267,9 @@ class Checkpointer:
         training thread wait for the little CPU time SCHED_IDLE gets.
         ``folders_found``: the checkpoint folders storage held when the attempt began (rank 0's restore
         listing). Only those, and the ones this attempt writes, can hold an old manifest to delete
-        before a write; None: not known, so every write deletes first (on S3 a HEAD a checkpoint)."""
+        before a write; None: not known, so every write deletes first (on S3 a HEAD a checkpoint). This
+        takes one writer a run at a time: Ray ends an attempt's workers (within seconds) before the next
+        attempt lists, so no earlier attempt adds a folder after the listing."""
         c = spec.checkpoint
         self.interval_steps, self.min_gap_s, self.background = c.interval, c.min_interval_s, c.upload == "async"
         self.report_interval_s = c.report_interval_s

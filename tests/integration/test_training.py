@@ -242,13 +242,12 @@ def test_checkpoints_to_s3_survive_a_transient_upload_error_and_resume(on_s3):
     assert ("PUT", proxy.failed[0][1], 200) in proxy.passed, "the failed upload was retried and went through"
     # The run was new: no folder was in storage at restore, so none is searched for an old
     # manifest (a HEAD) before its state goes up.
-    folder_prefix = "/etrain-ckpts/runs/on-s3/checkpoints/checkpoint_"
     first_touch: dict[str, tuple[str, str]] = {}
     for method, path, _ in proxy.passed:
-        if path.startswith(folder_prefix):
-            folder, name = path.rsplit("/", 1)
+        folder, name = path.rsplit("/", 1)
+        if folder.startswith("/etrain-ckpts/runs/on-s3/checkpoints/") and ckpt.step_of(folder.rsplit("/", 1)[1]):
             first_touch.setdefault(folder, (method, name))
-    assert len(first_touch) >= 3 and all(method == "PUT" and name.startswith("model_")
+    assert len(first_touch) >= 2 and all(method == "PUT" and name.startswith("model_")
                                          for method, name in first_touch.values()), first_touch
     assert on_s3["problem_at_4"] is None
     assert part["checkpoint_uri"].startswith("s3://etrain-ckpts/runs/on-s3/checkpoints/checkpoint_000000006")

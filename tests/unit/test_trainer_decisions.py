@@ -297,9 +297,12 @@ def test_only_a_folder_that_may_hold_a_manifest_is_cleared_before_a_write(monkey
         written.append((ckpt.step_of(path.rsplit("/", 1)[-1]), fresh))
         return real_write(fs, path, state, file_name, metrics, fresh=fresh)
 
-    monkeypatch.setattr(checkpointer.ckpt, "write", spy)
     folder = tmp_path / "writes" / "checkpoints"
-    found = None if found is None else {str(folder / ckpt.dir_name(step)) for step in found}
+    for step in found or ():  # in storage before the attempt: as the restore lists it
+        real_write(pafs.LocalFileSystem(), str(folder / ckpt.dir_name(step)), {"step": step}, "m.pt")
+    if found is not None:
+        found = {path for _, path in ckpt.checkpoint_folders(pafs.LocalFileSystem(), str(folder))}
+    monkeypatch.setattr(checkpointer.ckpt, "write", spy)
     c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: None, min_interval_s=0,
                              folders_found=found)
     for done, kind in ((5, Kind.INTERVAL), (10, Kind.INTERVAL), (10, Kind.JIT)):  # a notice at the step of 10
