@@ -30,6 +30,14 @@ local Ray included, is stopped), and counts only the windows wholly inside a tur
   all of it the async job's checkpoints). A remote bucket would not spend it on this machine,
   whose two cores the ranks train on.
 
+- checkpoint window ratio within one run (to S3, and to local disk): a diagnostic with no target.
+  One async job runs alone with a checkpoint every other window; the steady rate of the windows
+  that hold a checkpoint (its copy, write, upload and, one time in a few, its report) over that of
+  the windows between them. Neighbouring windows meet the same host and the same processes, so
+  this is far less scattered than a pair (a pair's two jobs differ by a few percent whatever they
+  do: see "job started first" above); it misses only a cost spread over every window, which no
+  part of the checkpoint path has (its thread sleeps between checkpoints).
+
 The same pairs run with local-disk storage: what our side and Ray's reporting cost, without
 the S3 emulation. The S3 server (moto's S3 backend served by uvicorn: bench/s3_server.py, which
 says why not moto's own server) runs in a process of its own under the idle scheduling class
@@ -40,7 +48,7 @@ request handling took 6-7 CPU-seconds a run from the two cores the workers train
 kept pace shows in the checkpoints taken, printed beside those taken to local disk: a checkpoint
 still uploading when the next is due is skipped.
 
-    python bench/checkpoint.py [--steps 3000] [--interval 100] [--pairs 4] [--slice-s 4]
+    python bench/checkpoint.py [--steps 3000] [--interval 100] [--pairs 4] [--slice-s 4] [--alternate-steps 12000]
 """
 
 from __future__ import annotations
@@ -145,6 +153,28 @@ def pair_in_turns(kinds: tuple[str, str], root: str, tag: str, args, work: Path)
     return runs
 
 
+def within_one_run(root: str, tag: str, args, work: Path) -> tuple[float, int]:
+    """One async job alone, a checkpoint every other window: (steady samples/s of the windows that
+    start at a checkpoint step over that of the others, windows of each kind)."""
+    from cluster.storage import open_root
+    from trainers.history import read_history
+
+    name = f"ckpt-alternate-{tag}"
+    spec = job_spec(name, "async", root, args.alternate_steps, 2 * args.interval, args.hidden)
+    spec["training"]["log_interval_steps"] = args.interval  # a window per interval, a checkpoint every other
+    cmd, env = run_command(spec, work)
+    with open(work / f"{name}.out", "w") as out:
+        if subprocess.run(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+            raise SystemExit(f"{name} failed:\n{(work / f'{name}.out').read_text()[-3000:]}")
+    times = {row["step"]: row["time"] for row in read_history(open_root(root), name)}
+    holding, between = [], []
+    for step in sorted(times):
+        if step + args.interval in times:
+            rate = args.interval * BATCH / (times[step + args.interval] - times[step])
+            (holding if step % (2 * args.interval) == 0 else between).append(rate)
+    return steady_rate(holding) / steady_rate(between), min(len(holding), len(between))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3000)
@@ -153,6 +183,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=4, help="(none, async) pairs, each run in turns, taking turns "
                         "at starting first (an even number balances the two orders)")
     parser.add_argument("--slice-s", type=float, default=4.0, help="how long each job runs in its turn")
+    parser.add_argument("--alternate-steps", type=int, default=12000, help="steps of the job alone with a "
+                        "checkpoint every other window (0: not run)")
     parser.add_argument("--settle-s", type=float, default=0.3, help="windows starting this soon after a turn "
                         "begins are not counted")
     args = parser.parse_args()
@@ -168,6 +200,7 @@ def main() -> None:
     roots = {"s3": "s3://bench/runs", "local": str(work / "storage")}  # local disk: our side and Ray's without S3
     pairs: dict[str, list[dict[str, Run]]] = {where: [] for where in roots}
     server_cpu_s: list[float] = []  # the S3 server's CPU time in each S3 pair: this machine's, not a bucket's
+    alternate: dict[str, tuple[float, int]] = {}  # within one run: (ratio, windows of each kind)
 
     def say(label: str, runs: dict[str, Run], other: str) -> None:
         base, it = runs["none"], runs[other]
@@ -187,6 +220,8 @@ def main() -> None:
             if where == "s3":
                 sync = pair_in_turns(("sync", "none"), root, "sync", args, work)
                 say("s3 sync pair", sync, "sync")
+            if args.alternate_steps:
+                alternate[where] = within_one_run(root, where, args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         server.terminate()
@@ -213,6 +248,11 @@ def main() -> None:
           f"(median of {args.pairs} pairs in turns: {', '.join(f'{r:.3f}' for r in ratios('s3'))})")
     print(f"async checkpoint throughput ratio to local disk: {statistics.median(ratios('local')):.3f} "
           f"(pairs: {', '.join(f'{r:.3f}' for r in ratios('local'))})")
+    for where, label in (("s3", ""), ("local", " to local disk")):
+        if where in alternate:
+            ratio, windows = alternate[where]
+            print(f"checkpoint window ratio within one run{label}: {ratio:.3f} (one job alone, a checkpoint every "
+                  f"other {args.interval}-step window: those holding one over the others, {windows} of each)")
     for where, label in (("s3", ""), ("local", " to local disk")):
         every = ratios(where, "every_window")
         print(f"async checkpoint throughput ratio{label} (every window counted): {statistics.median(every):.3f} "
