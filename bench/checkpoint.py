@@ -33,10 +33,12 @@ local Ray included, is stopped), and counts only the windows wholly inside a tur
 - checkpoint window ratio within one run (to S3, and to local disk): a diagnostic with no target.
   One async job runs alone with a checkpoint every other window; the steady rate of the windows
   that hold a checkpoint (its copy, write, upload and, one time in a few, its report) over that of
-  the windows between them. Neighbouring windows meet the same host and the same processes, so
-  this is far less scattered than a pair (a pair's two jobs differ by a few percent whatever they
-  do: see "job started first" above); it misses only a cost spread over every window, which no
-  part of the checkpoint path has (its thread sleeps between checkpoints).
+  the windows between them (rank 0's word on taking it, one small broadcast, ends the window
+  before: the log row's time is taken between the two). Neighbouring windows meet the same host
+  and the same processes, so this is far less scattered than a pair (a pair's two jobs differ by
+  a few percent whatever they do: see "job started first" above). It can understate: a
+  checkpoint's background work that outlasts its window (at idle priority it waits for slack) is
+  counted in the window between, and a cost spread over every window is not seen at all.
 
 The same pairs run with local-disk storage: what our side and Ray's reporting cost, without
 the S3 emulation. The S3 server (moto's S3 backend served by uvicorn: bench/s3_server.py, which
@@ -82,17 +84,29 @@ def free_port() -> int:
 
 def start_s3(port: int) -> subprocess.Popen:
     """The S3 stand-in (bench/s3_server.py) in its own process under the idle scheduling class, on loopback."""
+    log = tempfile.TemporaryFile("w+")  # its words, should it not start
     server = subprocess.Popen(["chrt", "--idle", "0", sys.executable, str(REPO / "bench" / "s3_server.py"), str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and server.poll() is None:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
                 return server
         except OSError:
             time.sleep(0.2)
-    server.kill()
-    raise SystemExit("the S3 server (bench/s3_server.py) did not start within 60 s")
+    stop_s3(server)
+    log.seek(0)
+    raise SystemExit(f"the S3 server (bench/s3_server.py) did not start within 60 s:\n{log.read()[-2000:]}")
+
+
+def stop_s3(server: subprocess.Popen) -> None:
+    """By pid: asked first, then killed."""
+    server.terminate()
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
 
 
 BATCH = 128  # global samples a step
@@ -195,7 +209,6 @@ def main() -> None:
                        "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"})
     import boto3
 
-    boto3.client("s3").create_bucket(Bucket="bench")
     work = Path(tempfile.mkdtemp(prefix="etrain-bench-ckpt-"))
     roots = {"s3": "s3://bench/runs", "local": str(work / "storage")}  # local disk: our side and Ray's without S3
     pairs: dict[str, list[dict[str, Run]]] = {where: [] for where in roots}
@@ -209,6 +222,7 @@ def main() -> None:
               f"report() median {it.report_s:.4f} s", file=sys.stderr)
 
     try:
+        boto3.client("s3").create_bucket(Bucket="bench")
         for where, root in roots.items():
             for i in range(args.pairs):
                 kinds = ("none", "async") if i % 2 == 0 else ("async", "none")
@@ -224,8 +238,7 @@ def main() -> None:
                 alternate[where] = within_one_run(root, where, args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        server.terminate()
-        server.wait(30)
+        stop_s3(server)
 
     def ratios(where: str, field: str = "steady") -> list[float]:
         return [getattr(p["async"], field) / getattr(p["none"], field) for p in pairs[where]]

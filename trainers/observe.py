@@ -238,9 +238,11 @@ class TensorBoard:
     again at every checkpoint. TensorBoard reads a folder's event files in the order of their names,
     so each is stored under a name that sorts in upload order, across attempts too (the writer's own
     names end in a counter that sorts 10 before 9). An attempt's first file starts with a session
-    start at the first step the attempt logs: TensorBoard then drops what earlier files hold from
-    that step on (what the attempt before logged past its checkpoint, trained again now). A step
-    going back does not do it: with event files of version 2 only a session start purges."""
+    start at the first step the attempt logs: TensorBoard's Python loader (an s3:// logdir,
+    ``--load_fast=false``) then drops what earlier files hold from that step on (what the attempt
+    before logged past its checkpoint, trained again now); to it a step going back means nothing
+    in event files of version 2. Its fast local loader ignores the session start and drops a tag's
+    points from any step that goes back, which comes to the same here."""
 
     def __init__(self, root: StorageRoot, spec: JobSpec, job: str, local: str, first_step: int = 1):
         """``first_step``: the first step this attempt logs (rows a restored checkpoint carried count)."""

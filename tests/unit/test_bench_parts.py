@@ -276,7 +276,21 @@ def test_the_checkpoint_benchs_s3_server_keeps_what_the_aws_sdk_uploads_in_chunk
         with fs.open_input_stream("bench/run/checkpoint_1/manifest.json") as f:
             assert f.read() == manifest
     finally:
-        server.terminate()
-        server.wait(30)
+        bench.stop_s3(server)
     with pytest.raises(OSError):  # stopped by pid: nothing answers there now
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_an_s3_server_that_cannot_start_is_said_at_once_with_its_words():
+    """A port already taken (or a uvicorn without its WSGI layer): the server exits, and the bench
+    says so with the server's own output instead of waiting its minute for an answer."""
+    import socket
+    import time
+
+    bench = load("checkpoint")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))  # bound, not listening: connecting is refused, binding fails
+        started = time.monotonic()
+        with pytest.raises(SystemExit, match=r"did not start(.|\n)*address already in use"):
+            bench.start_s3(taken.getsockname()[1])
+    assert time.monotonic() - started < 30
