@@ -20,8 +20,9 @@ local Ray included, is stopped), and counts only the windows wholly inside a tur
   take turns at starting first, and their number is best even: a pair's ratio depended on which
   job started first (the job started first ran the slower, by 0.01-0.05 of the ratio in each of 8
   pairs of pairs with the S3 server below; with moto's own server, either way), so an odd number
-  of pairs leans towards one order. Two identical jobs with no checkpoints showed no such lean
-  (1.003, 0.992, 1.015): it comes with the checkpointing job, for a reason not yet found.
+  of pairs leans towards one order. Two identical jobs showed no such lean (second over first:
+  1.003, 0.992, 1.015 with no checkpoints; 1.019, 1.001, 0.990 both checkpointing to local disk):
+  it comes with a pair of unlike jobs, for a reason not yet found.
 - report() blocking seconds, async and sync (median over the job's checkpoints): what the
   training thread paid at a checkpoint (the state copy is reported apart, as save seconds).
 - async checkpoints taken: an interval checkpoint is left to the next interval step while the
