@@ -18,8 +18,9 @@ local Ray included, is stopped), and counts only the windows wholly inside a tur
   cadence: trimming the slowest tenth could hide part of their cost, so the ratio with every
   window counted is printed beside it. The figure is the median of the pairs' ratios. Pairs
   take turns at starting first, and their number is best even: a pair's ratio depended on which
-  job started first (the job started first ran the slower, by 0.01-0.05 of the ratio in each of 8
-  pairs of pairs with the S3 server below; with moto's own server, either way), so an odd number
+  job started first (with the job without checkpoints started first the ratio came out 0.01-0.05
+  higher, in each of 8 pairs of pairs with the S3 server below and in both of 2 to local disk;
+  with moto's own server, either way), so an odd number
   of pairs leans towards one order. Two identical jobs showed no such lean (second over first:
   1.003, 0.992, 1.015 with no checkpoints; 1.019, 1.001, 0.990 both checkpointing to local disk):
   it comes with a pair of unlike jobs, for a reason not yet found.
