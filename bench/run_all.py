@@ -74,15 +74,23 @@ LIMITS = {
         "SCHED_IDLE from its second checkpoint (trainers/checkpointer.py: Yielding) and writes straight to "
         "storage. A pair's ratio scatters by 0.03-0.05 (local-disk pairs 0.949-1.052 within one hour on "
         "2026-12-05), so a median of four pairs is good to about 0.02; four, balanced by which job starts first: "
-        "with the one without checkpoints first, the ratio came out 0.01-0.05 higher. The S3 stand-in (moto's S3 backend, since ac466b6 served by uvicorn: 0.7 CPU-seconds a "
-        "pair where moto's own server took 0.9) shares the two cores the ranks train on, at SCHED_IDLE: ~7.5 ms "
-        "of its CPU for each 1.8 MB state PUT (moto's MD5 and aws-chunked decoding), ~1 ms for each small "
-        "request; a checkpoint is two PUTs since eea0a32 (no HEAD before a folder the restore listing did not "
-        "hold). A stand-in that threw the state's bytes away unread by moto (an experiment) gave a median of "
-        "0.950 (6 pairs) where moto's own server gave 0.919 (13) in the same hours: moto's handling of the state "
-        "is worth ~0.03 of the ratio. make bench at 3b22575: 0.955 to S3, 0.951 to local disk; at f89b8fa: 0.947 "
-        "and 0.977, and within one run 0.956 and 0.983 (the diagnostic below): local disk, i.e. our side and "
-        "Ray's reporting, is at the target or within the pairs' scatter of it; S3's ~0.03 more is the stand-in.",
+        "with the one without checkpoints first, the ratio came out 0.01-0.05 higher. make bench at 3b22575: "
+        "0.955 to S3, 0.951 to local disk; at f89b8fa: 0.947 and 0.977, and within one run 0.956 and 0.983 (the "
+        "diagnostic below): local disk, i.e. our side and Ray's reporting, is at the target or within the pairs' "
+        "scatter of it. To S3 a checkpoint window costs ~3% more (within one run over 2026-12-05: median ~0.94 to "
+        "S3, ~0.97 to local disk), and what that is has not been found. The S3 stand-in (moto's S3 backend "
+        "served by uvicorn, bench/s3_server.py; a checkpoint is two PUTs since eea0a32) shares the two cores "
+        "the ranks train on, at SCHED_IDLE, but its CPU is not it. In interleaved runs of the diagnostic (3-4 "
+        "each, 2026-12-05): a stand-in that burned 15 ms more CPU at each state PUT, 0.949 against 0.939; one "
+        "that threw the state's bytes away unread, 0.944 against 0.943 (an earlier reading from pairs, 0.950 "
+        "against 0.919, was their scatter). Nor is it the state's bytes crossing loopback TCP (local disk with "
+        "the state also sent to an idle-class sink: 0.977 against 0.965), the GIL (the state written by a "
+        "child process: 0.945 and 0.924 against 0.950 and 0.933), pyarrow's S3 stream, which zeroes the rest "
+        "of a 10 MB part buffer at each PUT (the state through boto3: 0.940 against 0.940), the S3 client's "
+        "per-request work (a 100-byte PUT added to each local-disk checkpoint: 0.961 against 0.964), or "
+        "retention and the metrics flush at normal priority (at idle: 0.940 against 0.942). What does cost at "
+        "idle priority is memory traffic: a stand-in that wrote 128 MB at each PUT gave 0.84-0.95. With a "
+        "spare core (one worker on the two) a checkpoint window cost ~3% to S3 and ~2% to local disk.",
 }
 
 # What a figure means, shown whether it meets its target or not.
