@@ -53,7 +53,12 @@ request handling took 6-7 CPU-seconds a run from the two cores the workers train
 kept pace shows in the checkpoints taken, printed beside those taken to local disk: a checkpoint
 still uploading when the next is due is skipped.
 
+On a machine with cores to spare (the lent GPU machine: bench/gpu_run.sh), ``--job-cpus 0,1
+--s3-cpus 2`` gives the jobs (their local Ray and both ranks) two cores, as here, and the stand-in
+a core of its own, as a remote bucket would be: what is left is our side's cost alone.
+
     python bench/checkpoint.py [--steps 3000] [--interval 100] [--pairs 4] [--slice-s 4] [--alternate-steps 12000]
+                               [--where s3,local] [--job-cpus 0,1 --s3-cpus 2]
 """
 
 from __future__ import annotations
@@ -85,11 +90,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_s3(port: int) -> subprocess.Popen:
+def cpu_list(text: str, flag: str) -> frozenset[int]:
+    """``0,1`` or ``0-3,8``: CPUs this process may run on, or a SystemExit naming ``flag`` and the fix."""
+    allowed = os.sched_getaffinity(0)
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: not a CPU list; write it as taskset does, e.g. 0,1 or 0-3") from None
+    if not cpus or not cpus <= allowed:
+        raise SystemExit(f"{flag} {text!r}: CPUs {sorted(cpus - allowed) or '(none)'} are not this machine's "
+                         f"(it may use {','.join(map(str, sorted(allowed)))})")
+    return frozenset(cpus)
+
+
+def placement(job_cpus: frozenset[int] | None, s3_cpus: frozenset[int] | None) -> str:
+    """What the run says of where things run; a SystemExit when the two share a CPU (the point of
+    placing them is that the stand-in takes nothing from the ranks) or one is placed alone."""
+    if (job_cpus is None) != (s3_cpus is None):
+        raise SystemExit("--job-cpus and --s3-cpus go together: a stand-in off the ranks' cores needs both")
+    if job_cpus is None:
+        return "jobs and the S3 stand-in share every CPU"
+    if job_cpus & s3_cpus:
+        raise SystemExit(f"--job-cpus and --s3-cpus share CPU {min(job_cpus & s3_cpus)}: "
+                         "give the stand-in a core the ranks do not train on")
+    return (f"jobs on CPUs {','.join(map(str, sorted(job_cpus)))}, "
+            f"the S3 stand-in on CPUs {','.join(map(str, sorted(s3_cpus)))}")
+
+
+def pinned(argv: list[str], cpus: frozenset[int] | None) -> list[str]:
+    """``argv`` run on ``cpus`` only (with every process it starts), or anywhere when None."""
+    return argv if cpus is None else ["taskset", "--cpu-list", ",".join(map(str, sorted(cpus))), *argv]
+
+
+def start_s3(port: int, cpus: frozenset[int] | None = None, env: dict | None = None) -> subprocess.Popen:
     """The S3 stand-in (bench/s3_server.py) in its own process under the idle scheduling class, on loopback."""
     log = tempfile.TemporaryFile("w+")  # its words, should it not start
-    server = subprocess.Popen(["chrt", "--idle", "0", sys.executable, str(REPO / "bench" / "s3_server.py"), str(port)],
-                              stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(pinned(["chrt", "--idle", "0", sys.executable, str(REPO / "bench" / "s3_server.py"),
+                                      str(port)], cpus),
+                              stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and server.poll() is None:
         try:
@@ -121,13 +162,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_command(spec: dict, spec_dir: Path) -> Command:
-    """`etrain run` of ``spec`` (written to a file) on a local Ray of its own: (command, environment)."""
+def run_command(spec: dict, spec_dir: Path, cpus: frozenset[int] | None = None) -> Command:
+    """`etrain run` of ``spec`` (written to a file) on a local Ray of its own, on ``cpus`` (None:
+    anywhere): (command, environment)."""
     path = spec_dir / f"{spec['name']}.json"
     path.write_text(json.dumps(spec))  # JSON is YAML
-    run_env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     run_env.pop("RAY_ADDRESS", None)
-    return [sys.executable, "-m", "trainers.train", str(path), "--json"], run_env
+    return pinned([sys.executable, "-m", "trainers.train", str(path), "--json"], cpus), run_env
 
 
 def job_spec(name: str, kind: str, root: str, steps: int, interval: int, hidden: int) -> dict:
@@ -135,7 +177,8 @@ def job_spec(name: str, kind: str, root: str, steps: int, interval: int, hidden:
     every, upload = (steps, "async") if kind == "none" else (interval, kind)
     return {"name": name, "training": {"batch_size": BATCH, "max_steps": steps, "learning_rate": 0.001,
                                        "log_interval_steps": interval},
-            "distributed": {"num_workers": 2}, "model": {"name": "mlp", "hidden_size": hidden},
+            "distributed": {"num_workers": 2, "use_gpu": False},  # CPU ranks, as here, on a GPU machine too
+            "model": {"name": "mlp", "hidden_size": hidden},
             "data": {"source": "builtin:digits"},
             "checkpoint": {"interval": every, "upload": upload, "min_interval_s": 0, "num_to_keep": 2,
                            "storage_root": root}}
@@ -156,8 +199,8 @@ def pair_in_turns(kinds: tuple[str, str], root: str, tag: str, args, work: Path)
     from trainers.history import read_history
 
     names = {kind: f"ckpt-{kind}-{tag}" for kind in kinds}
-    commands = {kind: run_command(job_spec(names[kind], kind, root, args.steps, args.interval, args.hidden), work)
-                for kind in kinds}
+    commands = {kind: run_command(job_spec(names[kind], kind, root, args.steps, args.interval, args.hidden), work,
+                                  args.job_cpus) for kind in kinds}
     slices, _ = run_in_turns(commands, args.slice_s, work, REPO)
     runs = {}
     for kind in kinds:
@@ -179,7 +222,7 @@ def within_one_run(root: str, tag: str, args, work: Path) -> tuple[float, int]:
     name = f"ckpt-alternate-{tag}"
     spec = job_spec(name, "async", root, args.alternate_steps, 2 * args.interval, args.hidden)
     spec["training"]["log_interval_steps"] = args.interval  # a window per interval, a checkpoint every other
-    cmd, env = run_command(spec, work)
+    cmd, env = run_command(spec, work, args.job_cpus)
     with open(work / f"{name}.out", "w") as out:
         if subprocess.run(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
             raise SystemExit(f"{name} failed:\n{(work / f'{name}.out').read_text()[-3000:]}")
@@ -204,16 +247,26 @@ def main() -> None:
                         "checkpoint every other window (0: not run)")
     parser.add_argument("--settle-s", type=float, default=0.3, help="windows starting this soon after a turn "
                         "begins are not counted")
+    parser.add_argument("--where", default="s3,local", help="storage to measure: s3, local or both (s3,local)")
+    parser.add_argument("--job-cpus", help="CPUs the jobs run on (taskset's list, e.g. 0,1); with --s3-cpus")
+    parser.add_argument("--s3-cpus", help="CPUs the S3 stand-in runs on, none of the jobs' (e.g. 2)")
     args = parser.parse_args()
+    wanted = [w.strip() for w in args.where.split(",")]
+    if not wanted or any(w not in ("s3", "local") for w in wanted):
+        raise SystemExit(f"--where {args.where!r}: say s3, local or s3,local")
+    args.job_cpus = cpu_list(args.job_cpus, "--job-cpus") if args.job_cpus else None
+    args.s3_cpus = cpu_list(args.s3_cpus, "--s3-cpus") if args.s3_cpus else None
+    print(f"[bench] {placement(args.job_cpus, args.s3_cpus)}", file=sys.stderr)
 
     port = free_port()
-    server = start_s3(port)
+    server = start_s3(port, args.s3_cpus)
     os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
                        "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"})
     import boto3
 
     work = Path(tempfile.mkdtemp(prefix="etrain-bench-ckpt-"))
     roots = {"s3": "s3://bench/runs", "local": str(work / "storage")}  # local disk: our side and Ray's without S3
+    roots = {where: root for where, root in roots.items() if where in wanted}
     pairs: dict[str, list[dict[str, Run]]] = {where: [] for where in roots}
     server_cpu_s: list[float] = []  # the S3 server's CPU time in each S3 pair: this machine's, not a bucket's
     alternate: dict[str, tuple[float, int]] = {}  # within one run: (ratio, windows of each kind)
@@ -251,29 +304,33 @@ def main() -> None:
 
     size = args.hidden * (64 + 10) * 4 * 3 / 1e6
     print(f"checkpoint size: {size:.1f} MB (model + AdamW state)")
-    print(f"samples/s without checkpoints: {median('s3', 'none', 'steady'):.0f}")
-    print(f"samples/s with async checkpoints every {args.interval} steps: {median('s3', 'async', 'steady'):.0f}")
-    print(f"samples/s with sync checkpoints every {args.interval} steps: {sync['sync'].steady:.0f}")
-    print(f"async checkpoints taken: {median('s3', 'async', 'checkpoints'):.0f}")
-    print(f"s3 server cpu seconds per pair: {statistics.median(server_cpu_s):.1f}")
-    print(f"async checkpoints taken to local disk: {median('local', 'async', 'checkpoints'):.0f}")
-    print(f"report() blocking with async upload: {median('s3', 'async', 'report_s'):.3f} s")
-    print(f"report() blocking with sync upload: {sync['sync'].report_s:.3f} s")
-    print(f"sync checkpoint throughput ratio: {sync['sync'].steady / sync['none'].steady:.3f}")
-    print(f"async checkpoint throughput ratio: {statistics.median(ratios('s3')):.3f} "
-          f"(median of {args.pairs} pairs in turns: {', '.join(f'{r:.3f}' for r in ratios('s3'))})")
-    print(f"async checkpoint throughput ratio to local disk: {statistics.median(ratios('local')):.3f} "
-          f"(pairs: {', '.join(f'{r:.3f}' for r in ratios('local'))})")
+    if "s3" in pairs:
+        print(f"samples/s without checkpoints: {median('s3', 'none', 'steady'):.0f}")
+        print(f"samples/s with async checkpoints every {args.interval} steps: {median('s3', 'async', 'steady'):.0f}")
+        print(f"samples/s with sync checkpoints every {args.interval} steps: {sync['sync'].steady:.0f}")
+        print(f"async checkpoints taken: {median('s3', 'async', 'checkpoints'):.0f}")
+        print(f"s3 server cpu seconds per pair: {statistics.median(server_cpu_s):.1f}")
+    if "local" in pairs:
+        print(f"async checkpoints taken to local disk: {median('local', 'async', 'checkpoints'):.0f}")
+    if "s3" in pairs:
+        print(f"report() blocking with async upload: {median('s3', 'async', 'report_s'):.3f} s")
+        print(f"report() blocking with sync upload: {sync['sync'].report_s:.3f} s")
+        print(f"sync checkpoint throughput ratio: {sync['sync'].steady / sync['none'].steady:.3f}")
+        print(f"async checkpoint throughput ratio: {statistics.median(ratios('s3')):.3f} "
+              f"(median of {args.pairs} pairs in turns: {', '.join(f'{r:.3f}' for r in ratios('s3'))})")
+    if "local" in pairs:
+        print(f"async checkpoint throughput ratio to local disk: {statistics.median(ratios('local')):.3f} "
+              f"(pairs: {', '.join(f'{r:.3f}' for r in ratios('local'))})")
     for where, label in (("s3", ""), ("local", " to local disk")):
         if where in alternate:
             ratio, windows = alternate[where]
             print(f"checkpoint window ratio within one run{label}: {ratio:.3f} (one job alone, a checkpoint every "
                   f"other {args.interval}-step window: those holding one over the others, {windows} of each)")
     for where, label in (("s3", ""), ("local", " to local disk")):
-        every = ratios(where, "every_window")
-        print(f"async checkpoint throughput ratio{label} (every window counted): {statistics.median(every):.3f} "
-              f"(pairs: {', '.join(f'{r:.3f}' for r in every)})")
-
+        if where in pairs:
+            every = ratios(where, "every_window")
+            print(f"async checkpoint throughput ratio{label} (every window counted): {statistics.median(every):.3f} "
+                  f"(pairs: {', '.join(f'{r:.3f}' for r in every)})")
 
 if __name__ == "__main__":
     main()

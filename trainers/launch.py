@@ -165,6 +165,14 @@ def owned_by_me(path) -> bool:
         return False
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: fewer than the machine's under taskset or a container's
+    cpuset, where a local Ray sized by the machine would start more workers than it has cores."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def ensure_ray(num_workers: int) -> bool:
     """Join the running cluster (RAY_ADDRESS or `ray start`), else start a local Ray on loopback.
 
@@ -176,7 +184,7 @@ def ensure_ray(num_workers: int) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return False
-    num_cpus = max(os.cpu_count() or 1, num_workers + 2)
+    num_cpus = max(usable_cpus(), num_workers + 2)
     # Ray's dashboard (its Train pages, its state API for `ray list`): for the user to look at the run.
     ray_adapter.init_local_ray(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                                configure_logging=True, logging_level="WARNING")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -250,18 +251,17 @@ def test_a_label_with_a_comma_is_not_read_as_a_figure():
         "async checkpoint throughput ratio (every window counted)", 0.9)
 
 
-def test_the_checkpoint_benchs_s3_server_keeps_what_the_aws_sdk_uploads_in_chunks():
-    """pyarrow's AWS SDK sends a PUT body chunked (aws-chunked, no Content-Length); uvicorn's WSGI
-    layer does not mark where such a body ends, and without bench/s3_server.py's shim werkzeug read
-    it as empty: the bench would have measured a bucket that stores nothing."""
+def s3_round_trip(bench, env: dict | None = None) -> None:
+    """A checkpoint's requests to bench/s3_server.py (pyarrow's PUTs, sent chunked, a GET and a
+    listing; retention's boto3 DeleteObjects), then the server stopped by pid."""
     import os
     import socket
 
+    import boto3
     import pyarrow.fs as pafs
 
-    bench = load("checkpoint")
     port = bench.free_port()
-    server = bench.start_s3(port)
+    server = bench.start_s3(port, env=env)
     try:
         fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="bench",
                                secret_key="bench", region="us-east-1", allow_delayed_open=True,
@@ -275,10 +275,44 @@ def test_the_checkpoint_benchs_s3_server_keeps_what_the_aws_sdk_uploads_in_chunk
             assert f.read() == state
         with fs.open_input_stream("bench/run/checkpoint_1/manifest.json") as f:
             assert f.read() == manifest
+        listed = fs.get_file_info(pafs.FileSelector("bench/run", recursive=True))
+        assert {i.path for i in listed if i.type == pafs.FileType.File} == {
+            "bench/run/checkpoint_1/model_1.pt", "bench/run/checkpoint_1/manifest.json"}
+        client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="bench",
+                              aws_secret_access_key="bench", region_name="us-east-1")
+        client.delete_objects(Bucket="bench", Delete={"Objects": [{"Key": "run/checkpoint_1/model_1.pt"},
+                                                                  {"Key": "run/checkpoint_1/manifest.json"}]})
+        assert client.list_objects_v2(Bucket="bench")["KeyCount"] == 0
     finally:
         bench.stop_s3(server)
     with pytest.raises(OSError):  # stopped by pid: nothing answers there now
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_the_checkpoint_benchs_s3_server_keeps_what_the_aws_sdk_uploads_in_chunks(tmp_path):
+    """pyarrow's AWS SDK sends a PUT body chunked (aws-chunked, no Content-Length); uvicorn's WSGI
+    layer does not mark where such a body ends, and without bench/s3_server.py's shim werkzeug read
+    it as empty: the bench would have measured a bucket that stores nothing.
+    It runs on moto cut as bench/gpu_payload.sh cuts it (only MOTO_KEEP of its services, to stay
+    under the device tool's size limit): a service the server needs and the list lacks fails here,
+    not on a lent machine."""
+    import os
+    import re
+    import shutil
+
+    import moto
+
+    script = (REPO / "bench" / "gpu_payload.sh").read_text()
+    keep = re.search(r'MOTO_KEEP="([^"]*)"', script).group(1).split()
+    source = Path(moto.__file__).parent
+    shutil.copytree(source, tmp_path / "moto", ignore=lambda folder, names: [
+        n for n in names if Path(folder) == source and (source / n).is_dir() and n not in keep])
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    where = subprocess.run([sys.executable, "-c", "import moto; print(moto.__file__)"], env=env, text=True,
+                           capture_output=True, check=True, timeout=60).stdout.strip()
+    assert where == str(tmp_path / "moto" / "__init__.py")
+    assert not (tmp_path / "moto" / "ec2").exists() and (source / "ec2").is_dir()  # it was cut
+    s3_round_trip(load("checkpoint"), env)
 
 
 def test_an_s3_server_that_cannot_start_is_said_at_once_with_its_words():
@@ -294,3 +328,50 @@ def test_an_s3_server_that_cannot_start_is_said_at_once_with_its_words():
         with pytest.raises(SystemExit, match=r"did not start(.|\n)*address already in use"):
             bench.start_s3(taken.getsockname()[1])
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("text,expected", [("0", {0}), ("0-1", {0, 1}), (" 1 , 0", {0, 1})])
+def test_a_cpu_list_reads_as_tasksets_does(text, expected):
+    assert load("checkpoint").cpu_list(text, "--job-cpus") == expected
+
+
+@pytest.mark.parametrize("text,message", [
+    ("a", r"--job-cpus 'a': not a CPU list; write it as taskset does"),
+    ("0,4096", r"--job-cpus '0,4096': CPUs \[4096\] are not this machine's \(it may use 0"),
+    ("", r"--job-cpus '': not a CPU list"),
+])
+def test_a_cpu_list_that_is_not_one_or_not_this_machines_is_refused_by_name(text, message):
+    with pytest.raises(SystemExit, match=message):
+        load("checkpoint").cpu_list(text, "--job-cpus")
+
+
+def test_the_jobs_and_the_s3_stand_in_are_placed_together_and_apart():
+    bench = load("checkpoint")
+    assert bench.placement(None, None) == "jobs and the S3 stand-in share every CPU"
+    assert bench.placement(frozenset({0, 1}), frozenset({2})) == "jobs on CPUs 0,1, the S3 stand-in on CPUs 2"
+    with pytest.raises(SystemExit, match="share CPU 1: give the stand-in a core the ranks do not train on"):
+        bench.placement(frozenset({0, 1}), frozenset({1, 2}))
+    with pytest.raises(SystemExit, match="--job-cpus and --s3-cpus go together"):
+        bench.placement(frozenset({0}), None)
+
+
+def test_a_placed_s3_stand_in_and_job_run_on_their_cpus_only(tmp_path, monkeypatch):
+    """The stand-in's process itself (taskset and chrt exec it: one pid) is held to its CPU, and a
+    job's command keeps the caller's PYTHONPATH (the lent GPU machine's carried packages are there)."""
+    import os
+
+    bench = load("checkpoint")
+    cpu = max(os.sched_getaffinity(0))
+    server = bench.start_s3(bench.free_port(), frozenset({cpu}))
+    try:
+        assert os.sched_getaffinity(server.pid) == {cpu}
+        assert os.sched_getscheduler(server.pid) == os.SCHED_IDLE
+    finally:
+        bench.stop_s3(server)
+    monkeypatch.setenv("PYTHONPATH", "/carried/site")
+    argv, env = bench.run_command({"name": "job"}, tmp_path, frozenset({cpu}))
+    assert argv[:3] == ["taskset", "--cpu-list", str(cpu)] and argv[3:5] == [sys.executable, "-m"]
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/carried/site"]
+    out = subprocess.run(argv[:3] + [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                         capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == f"[{cpu}]"
