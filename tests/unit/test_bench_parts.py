@@ -100,12 +100,12 @@ def test_alternate_runs_one_process_tree_at_a_time(tmp_path):
     child = ("import sys, time\nend = time.time() + {s}\nwith open(sys.argv[1], 'w') as f:\n"
              "    while time.time() < end:\n        f.write(f'{{time.time()}}\\n'); f.flush(); time.sleep(0.005)\n")
     parent = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', sys.argv[1], sys.argv[2]], check=True)\n"
-    procs = {name: subprocess.Popen([sys.executable, "-c", parent, child.format(s=4 if name == "a" else 30),
+    procs = {name: subprocess.Popen([sys.executable, "-c", parent, child.format(s=3 if name == "a" else 30),
                                      str(tmp_path / name)]) for name in ("a", "b")}
     try:
         for proc in procs.values():
             turns.signal_tree(proc.pid, __import__("signal").SIGSTOP)
-        slices = turns.alternate(procs, slice_s=0.5)
+        slices = turns.alternate(procs, slice_s=0.4)
     finally:
         for proc in procs.values():
             proc.kill()
@@ -184,8 +184,8 @@ def test_a_script_past_its_time_is_stopped_with_what_it_started_and_the_run_goes
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "print('half a figure: 1', flush=True)\n"
         "time.sleep(600)\n")
-    figures, failure, took = run_all.run("fake_hang.py", [], timeout_s=3)
-    assert figures == {} and failure.startswith("fake_hang.py failed (timed out after 3 s)"), failure
+    figures, failure, took = run_all.run("fake_hang.py", [], timeout_s=2)
+    assert figures == {} and failure.startswith("fake_hang.py failed (timed out after 2 s)"), failure
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

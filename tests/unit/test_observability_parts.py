@@ -103,7 +103,7 @@ class Recorder(BaseHTTPRequestHandler):
 
 def test_push_creates_the_folder_and_every_dashboard():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     Recorder.calls.clear()
     try:
