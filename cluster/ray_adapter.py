@@ -42,6 +42,11 @@
   thread in its task-execution loop, which wakes every 10 ms to check for signals
   (``CoreWorker::RunTaskExecutionLoop``, "CoreWorker.CheckSignal"), and Ray Train v2 runs the
   training function in a thread of its own (``ThreadRunner``): :func:`batch_schedule_worker`.
+- Ray Train's controller hooks around a resize (``ControllerCallback``: the ``ResizingState`` a
+  running group enters when the cluster has room for a different one, then
+  ``before_controller_execute_resize_decision``) and a worker's ``execute_async``: before the
+  controller restarts a healthy group to resize it, each rank checkpoints
+  (:class:`CheckpointBeforeResize`).
 - The run's storage filesystem (``get_context().get_storage()``, a DeveloperAPI): checkpoints are
   written in place and reported without an upload, which Ray accepts only on that filesystem
   and under the run's folder (:func:`run_storage_filesystem`).
@@ -401,6 +406,82 @@ def _recorder_class():
     return PlacementGroupRecorder
 
 
+# How long a planned resize waits for its checkpoint: the ranks take it at their next sync step
+# (about a second) and write it; a rank that never gets there (a stalled loader) only delays the resize.
+RESIZE_CHECKPOINT_TIMEOUT_S = 60.0
+
+_resize_handler: Callable[[float], int | None] | None = None
+
+
+def on_resize_request(handler: Callable[[float], int | None] | None) -> None:
+    """On a worker: who checkpoints when the controller is about to restart the group to resize it
+    (the trainer, while its attempt trains; None once it ends). ``handler(timeout_s)`` returns the
+    step of the checkpoint it took, or None."""
+    global _resize_handler
+    _resize_handler = handler
+
+
+def checkpoint_before_resize(timeout_s: float) -> int | None:
+    """Run on each worker by :class:`CheckpointBeforeResize` (in Ray's actor thread, beside the
+    training thread): the step of the checkpoint taken, or None (no training running here)."""
+    handler = _resize_handler
+    return handler(timeout_s) if handler is not None else None
+
+
+def _resize_checkpoint_callback_class():
+    """Built on first use, like :func:`_recorder_class`."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+    from ray.train.v2._internal.execution.controller.state import ResizingState
+
+    class CheckpointBeforeResize(ControllerCallback, WorkerGroupCallback):
+        """Before Ray Train restarts a running group to resize it, every rank checkpoints.
+
+        Ray Train grows a group (``num_workers: {min, max}``) by shutting it down and starting a
+        bigger one, which then resumes from the newest checkpoint: the steps since it were lost,
+        up to a checkpoint interval, more when the restart caught a checkpoint mid-write. Here the
+        controller, once it has decided (a running group enters ``ResizingState``; a restart
+        after a failure does not, and its workers may be gone), asks each worker and waits until
+        each says its checkpoint is written (``timeout_s`` at most). The ranks agree on the
+        request at their next sync step, as on a stop, and write the checkpoint without reporting
+        it (the controller is busy here; the restart finds it in storage).
+        """
+
+        def __init__(self, timeout_s: float = RESIZE_CHECKPOINT_TIMEOUT_S):
+            self.timeout_s = timeout_s
+            self._group = None
+            self._planned = False
+
+        def after_worker_group_start(self, worker_group) -> None:
+            self._group = worker_group
+
+        def after_worker_group_shutdown(self, worker_group_context) -> None:
+            self._group = None
+
+        def after_worker_group_abort(self, worker_group_context) -> None:
+            self._group = None
+
+        def after_controller_state_update(self, previous_state, current_state) -> None:
+            if isinstance(current_state, ResizingState):
+                self._planned = True
+
+        def before_controller_execute_resize_decision(self, resize_decision) -> None:
+            planned, self._planned = self._planned, False
+            if not planned or self._group is None:
+                return
+            import ray
+
+            try:
+                refs = [w.execute_async(checkpoint_before_resize, self.timeout_s) for w in self._group.get_workers()]
+                ready, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s + 5)
+                steps = ray.get(ready)
+                log.info("resizing to %s workers: checkpoints before the restart at steps %s%s",
+                         resize_decision.num_workers, steps, f", {len(late)} ranks did not answer" if late else "")
+            except Exception:  # boundary: a resize goes ahead without it, from the newest checkpoint as before
+                log.warning("could not checkpoint before the resize", exc_info=True)
+
+    return CheckpointBeforeResize
+
+
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # ray.train.v2._internal.constants
 
 
@@ -583,7 +664,8 @@ def torch_trainer(*args, placement_group_key: str | None = None, **kwargs):
     datasets (ours read their data in the loop) and no placement-group cleaner actor (the driver
     cleans up instead: :class:`PlacementGroupRecorder`), and whose preemption watcher is a
     thread of the controller (:class:`InProcessPreemptionCallback`), not an actor: each start
-    and restart of a job spawns three processes fewer. Ray Train builds its callbacks in
+    and restart of a job spawns three processes fewer. A resize of a running group waits for
+    its ranks' checkpoint (:class:`CheckpointBeforeResize`). Ray Train builds its callbacks in
     ``_create_default_callbacks``; the controller adds its own watcher unless the environment it
     is given (Ray Train's RAY_TRAIN_* variables, from the driver's at ``fit()``) turns it off.
     Its backend config is :func:`torch_config`'s unless one is given: no torch in the controller.
@@ -601,6 +683,7 @@ def torch_trainer(*args, placement_group_key: str | None = None, **kwargs):
 
     datasets_callback, pg_cleaner_callback = _left_out_callback_classes()
     recorder, preemption_callback = _recorder_class(), _preemption_callback_class()
+    resize_callback = _resize_checkpoint_callback_class()
     default_config = torch_config
 
     class LeanTorchTrainer(DataParallelTrainer):
@@ -613,7 +696,7 @@ def torch_trainer(*args, placement_group_key: str | None = None, **kwargs):
         def _create_default_callbacks(self):
             left_out = (pg_cleaner_callback,) if self.datasets else (pg_cleaner_callback, datasets_callback)
             kept = [c for c in super()._create_default_callbacks() if not isinstance(c, left_out)]
-            return [*kept, recorder(self.pg_key), preemption_callback()]
+            return [*kept, recorder(self.pg_key), preemption_callback(), resize_callback()]
 
         def fit(self):
             os.environ[PREEMPTION_WATCHER_ENV] = "0"  # ours runs instead (a second would mark each rank twice)

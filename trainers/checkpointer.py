@@ -60,15 +60,19 @@ class Kind(Enum):
     INTERVAL = "interval"
     FINAL = "final"  # the run's last step, or a stop request
     JIT = "jit"  # a preemption notice: durable before the node goes
+    RESIZE = "resize"  # Ray Train restarts the group to resize it: durable before, not reported (its controller waits)
 
 
 def checkpoint_kind(done: int, stop: int, interval_steps: int, gap_ok: bool, preempted: bool,
-                    stop_requested: bool) -> Kind | None:
-    """Which checkpoint, if any, step ``done`` takes. ``gap_ok``: the minimum time since the last one passed."""
+                    stop_requested: bool, resizing: bool = False) -> Kind | None:
+    """Which checkpoint, if any, step ``done`` takes. ``gap_ok``: the minimum time since the last one passed.
+    ``resizing``: the controller waits to restart the group (a run at its end finishes instead)."""
     if preempted:
         return Kind.JIT
     if done == stop or stop_requested:
         return Kind.FINAL
+    if resizing:
+        return Kind.RESIZE
     if done % interval_steps == 0 and gap_ok:
         return Kind.INTERVAL
     return None
@@ -84,8 +88,11 @@ def report_due(kind: Kind, since_report_s: float, report_interval_s: float) -> b
 
     A final or just-in-time checkpoint always is (Ray's result, and what outlives the node); an
     interval one when ``report_interval_s`` has passed since the last report. The ones between
-    are written and restorable all the same.
+    are written and restorable all the same. One before a resize never is: the controller that
+    would take the report is waiting for it to be written.
     """
+    if kind is Kind.RESIZE:
+        return False
     return kind is not Kind.INTERVAL or since_report_s >= report_interval_s
 
 
@@ -289,10 +296,10 @@ class Checkpointer:
         if rank == 0 and spec.checkpoint.num_to_keep is not None and isinstance(fs, pafs.S3FileSystem):
             s3_client_like(fs)  # retention's S3 client (boto3's import, ~0.5 s) now, not mid-training
 
-    def kind(self, done: int, stop: int, preempted: bool, stop_requested: bool) -> Kind | None:
-        gap_ok = (not preempted and not stop_requested and done != stop and done % self.interval_steps == 0
-                  and self._gap_ok())
-        return checkpoint_kind(done, stop, self.interval_steps, gap_ok, preempted, stop_requested)
+    def kind(self, done: int, stop: int, preempted: bool, stop_requested: bool, resizing: bool = False) -> Kind | None:
+        gap_ok = (not preempted and not stop_requested and not resizing and done != stop
+                  and done % self.interval_steps == 0 and self._gap_ok())
+        return checkpoint_kind(done, stop, self.interval_steps, gap_ok, preempted, stop_requested, resizing)
 
     def _gap_ok(self) -> bool:
         """Rank 0 decides whether to take it and whether to report it; every rank agrees (one
@@ -316,10 +323,12 @@ class Checkpointer:
         ``flush``, for a checkpoint that is reported: takes what the observer writes (on the training
         thread, after the state is built: the checkpoint carries the rows too, as they are written
         only after the report) and returns the writes, run after the report on the same thread."""
-        report = kind is not Kind.INTERVAL or self._report_next
+        report = kind in (Kind.FINAL, Kind.JIT) or (kind is Kind.INTERVAL and self._report_next)
         started = time.perf_counter()
         if kind is Kind.JIT:
             self.settle(timeout_s=None)  # an earlier failed upload must not cost the notice its checkpoint
+        elif kind is Kind.RESIZE:
+            self.settle()  # its report needs no controller (the barrier is the ranks'); an error is logged
         else:
             self.wait()
         waited = time.perf_counter() - started
@@ -332,7 +341,7 @@ class Checkpointer:
         self.last_at = time.monotonic()
         if report:
             self.reported_at = self.last_at
-        if kind is Kind.JIT or not self.background:
+        if kind in (Kind.JIT, Kind.RESIZE) or not self.background:
             sync_at = time.perf_counter()
             self._write_and_report(done, snapshot, dict(metrics), kind is Kind.JIT, writes)
             self.timing.blocked_s += time.perf_counter() - sync_at

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.metrics import node_kind
-from cluster.ray_adapter import BATCH_EVERY_THREAD, batch_schedule_worker
+from cluster.ray_adapter import BATCH_EVERY_THREAD, batch_schedule_worker, on_resize_request
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.checkpointer import Checkpointer, Kind
@@ -196,6 +196,41 @@ class Pulse:
         self._halt.set()
 
 
+class ResizeRequest:
+    """Ray Train's word, on a worker, that it is about to restart the group to resize it
+    (cluster.ray_adapter.CheckpointBeforeResize, in Ray's actor thread beside the training
+    thread). The loop reads ``asked`` at its next sync step, where every rank agrees on it through
+    the all-reduce as on a stop, checkpoints, and says at which step (:meth:`saved`)."""
+
+    def __init__(self):
+        self.asked = threading.Event()
+        self._answered = threading.Event()
+        self.step: int | None = None
+
+    def ask(self, timeout_s: float) -> int | None:
+        """The step of the checkpoint taken for the resize, or None (none within ``timeout_s``)."""
+        self.asked.set()
+        self._answered.wait(timeout_s)
+        return self.step
+
+    def saved(self, step: int | None) -> None:
+        """On the training thread: answered (None: the attempt ended without one)."""
+        self.asked.clear()  # training that goes on after a resize that did not come asks anew
+        self.step = step
+        self._answered.set()
+
+
+RESIZE_GRACE_S = 120.0  # past the controller's wait for every rank's checkpoint, and its shutdown's
+
+
+def wait_out_resize(rank: int, step: int, grace_s: float = RESIZE_GRACE_S) -> None:
+    """After the checkpoint before a resize, stop doing work the restart would throw away. Should
+    the restart not come (the controller gave up on it), training goes on after ``grace_s``."""
+    if rank == 0:
+        worker_log().info(f"resize: checkpoint at step {step} saved; Ray Train restarts the group now")
+    time.sleep(grace_s)
+
+
 @dataclasses.dataclass
 class Batching:
     """How a rank splits its share of a global batch; may shrink on out-of-memory."""
@@ -266,8 +301,8 @@ class Trainer:
             tokens = min(tokens, saved["max_tokens"]) if tokens and saved.get("max_tokens") else tokens
         self.batching = Batching(per_worker, micro, tokens, t.micro_batch_size == "auto", list(saved.get("reductions", [])))
         self.open_loader(self.start)
-        # loss, samples, tokens, stop, preempt, rank 0's seconds a step since the last sync
-        self.window = torch.zeros(6, dtype=torch.float64, device=self.device)
+        # loss, samples, tokens, stop, preempt, rank 0's seconds a step since the last sync, resize
+        self.window = torch.zeros(7, dtype=torch.float64, device=self.device)
         self.samples = self.tokens = 0  # this rank's since the last sync step: Python ints, no tensor op per micro-batch
         self.totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # reduced window since the last log
 
@@ -328,6 +363,8 @@ class Trainer:
         after_write = self.pulse.checkpointed if self.pulse else (lambda step, jit: None)
         self.checkpointer = Checkpointer(spec, self.root, self.run_path, rank, self.world, self.device, after_write,
                                          yield_cpu=self.scheduling == BATCH_EVERY_THREAD, folders_found=self.folders_found)
+        self.resize = ResizeRequest()
+        on_resize_request(self.resize.ask)
 
     # -------------------------------------------------------------- the loop
 
@@ -351,7 +388,7 @@ class Trainer:
                     self.pulse.step = done
                 if done != self.stop and not sync_due(done, t.log_interval_steps, self.next_check, self.checkpointer.interval_steps):
                     continue
-                stop_now, preempted = self.sync(done)
+                stop_now, preempted, resizing = self.sync(done)
                 preemption = None
                 if preempted and not self.jit_taken:  # agree on the notice (a Ray barrier: only when flagged)
                     # One Ray collective at a time, in the same order on every rank; an earlier failed
@@ -359,14 +396,18 @@ class Trainer:
                     self.checkpointer.settle(timeout_s=None)
                     preemption = ray.train.get_preemption_info()
                     self.jit_taken = preemption is not None
-                kind = self.checkpointer.kind(done, self.stop, preemption is not None, stop_now)
+                kind = self.checkpointer.kind(done, self.stop, preemption is not None, stop_now, resizing)
                 if kind is None and done % t.log_interval_steps:
                     continue
                 metrics = self.log(done)
                 if kind is not None:
                     self.save(done, kind, metrics)
+                    if resizing:  # this step's checkpoint, whatever its kind, is the one the resize waits for
+                        self.resize.saved(done)
                 if preemption is not None:
                     wait_out_preemption(preemption, self.rank, done)
+                if kind is Kind.RESIZE:
+                    wait_out_resize(self.rank, done)
                 if stop_now:
                     self.logger.info("stop requested: stopped at step %d with a checkpoint; run again to resume", done)
                     break
@@ -375,6 +416,8 @@ class Trainer:
             self.checkpointer.settle()  # the retry resumes from the checkpoint already under way
             raise
         finally:
+            on_resize_request(None)
+            self.resize.saved(self.resize.step)  # a request still waiting gets its answer now
             if self.pulse:
                 self.pulse.stop()
             self.checkpointer.close()
@@ -461,8 +504,8 @@ class Trainer:
         b.micro, b.max_tokens, b.steps_at_split = micro, tokens, 0
         self.open_loader(step)
 
-    def sync(self, done: int) -> tuple[bool, bool]:
-        """The one small all-reduce of a sync step: loss window, stop vote, preemption flag."""
+    def sync(self, done: int) -> tuple[bool, bool, bool]:
+        """The one small all-reduce of a sync step: loss window, stop vote, preemption flag, resize request."""
         self.window[1], self.window[2] = self.samples, self.tokens
         self.samples = self.tokens = 0
         if self.pulse and self.pulse.stop_requested:
@@ -473,13 +516,15 @@ class Trainer:
             now = time.perf_counter()
             self.window[5] = (now - self.last_sync[1]) / max(1, done - self.last_sync[0])
             self.last_sync = (done, now)
+        if self.resize.asked.is_set():
+            self.window[6] = 1.0
         if self.world > 1:
             dist.all_reduce(self.window)
         self.totals += self.window[:3]
-        stop_votes, preempt_votes, step_s = self.window[3:].tolist()
+        stop_votes, preempt_votes, step_s, resize_votes = self.window[3:].tolist()
         self.window.zero_()
         self.next_check = next_check_step(done, self.spec.checkpoint.preemption_check_steps, step_s)
-        return stop_votes > 0, preempt_votes > 0
+        return stop_votes > 0, preempt_votes > 0, resize_votes > 0
 
     def log(self, done: int) -> dict:
         """Metrics since the last log (one host sync), published by the observer; rank 0 prints progress."""

@@ -75,6 +75,8 @@ def test_shrinks_on_node_loss_and_grows_back_with_every_sample_once(multi_node, 
         grown = wait_for(lambda: [r for r in interruptions(tmp_path, "streamed") if r["world_size_after"] == 2],
                          300, "training to grow back to 2 workers")[0]
         assert grown["cause"] == "scale up" and grown["world_size_before"] == 1
+        # Ray Train waited for the group's checkpoint before it restarted it to grow (CheckpointBeforeResize)
+        assert grown["steps_lost"] == 0 and grown["restored_step"] == grown["step_reached"], grown
     finally:
         StopFlag(job_home(spec).key).request()
         job.join(timeout=300)

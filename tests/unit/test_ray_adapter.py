@@ -127,7 +127,8 @@ def test_a_trainer_without_datasets_leaves_out_only_the_dataset_shard_callback()
     assert "PlacementGroupCleanerCallback" in stock, "Ray renamed or dropped its cleaner: see PlacementGroupRecorder"
     lean = names(ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1)))
     replaced = ("DatasetsCallback", "PlacementGroupCleanerCallback")
-    assert lean == [n for n in stock if n not in replaced] + ["PlacementGroupRecorder", "InProcessPreemptionCallback"]
+    assert lean == [n for n in stock if n not in replaced] + ["PlacementGroupRecorder", "InProcessPreemptionCallback",
+                                                               "CheckpointBeforeResize"]
     with_data = ray_adapter.torch_trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
                                           datasets={"train": lambda: None})  # a dataset factory; no Ray started
     assert names(with_data).count("DatasetsCallback") == 1
@@ -204,6 +205,58 @@ def test_the_in_process_watcher_marks_every_rank_of_a_drained_node_and_stops_wit
     callback.before_worker_group_shutdown(group)
     thread.join(timeout=2)
     assert not thread.is_alive(), "the group's shutdown stops its watcher"
+
+
+def test_rays_controller_asks_before_it_shuts_down_a_group_it_resizes_and_a_worker_runs_what_it_is_handed():
+    """CheckpointBeforeResize relies on: a running group the scaling policy resizes goes through
+    ResizingState (a restart after a failure does not), the resize hook runs before the old group
+    is shut down, and a worker's ``execute_async`` runs a function in the worker."""
+    from ray.train.v2._internal.execution.controller.controller import TrainController
+    from ray.train.v2._internal.execution.worker_group.worker import RayTrainWorker, Worker
+
+    step = inspect.getsource(TrainController._step)
+    running = step[step.index("isinstance(controller_state, RunningState)"):step.index("PreemptingState)")]
+    assert "ResizingState(" in running and step.count("ResizingState(") == 1, "resizes of running groups only"
+    resize = inspect.getsource(TrainController._execute_resize_decision)
+    assert resize.index('"before_controller_execute_resize_decision"') < resize.index("self._shutdown_worker_group()")
+    assert '"after_controller_state_update", previous_state, state' in inspect.getsource(TrainController._set_state)
+    assert "self.actor.execute" in inspect.getsource(Worker.execute_async)
+    assert RayTrainWorker.execute(None, lambda a, b: a + b, 2, 3) == 5
+
+
+def test_a_resize_of_a_running_group_waits_for_every_ranks_checkpoint_and_a_restart_after_a_failure_does_not(
+        monkeypatch):
+    """The controller's side, Ray not started: each worker's execute_async runs the function here
+    (what it would run in the worker), and ray.wait/get hand back its value."""
+    import ray
+    from ray.train.v2._internal.execution.controller.state import ResizingState, RestartingState, SchedulingState
+
+    asked = []
+    ray_adapter.on_resize_request(lambda timeout_s: asked.append(timeout_s) or 40)
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (list(refs), []))
+    monkeypatch.setattr(ray, "get", lambda refs: list(refs))
+    worker = SimpleNamespace(execute_async=lambda fn, *args: fn(*args))
+    group = SimpleNamespace(get_workers=lambda: [worker, worker])
+    callback = ray_adapter._resize_checkpoint_callback_class()(timeout_s=7.0)
+    decision = SimpleNamespace(num_workers=3)
+    try:
+        callback.after_worker_group_start(group)
+        callback.after_controller_state_update(None, RestartingState(training_failed_error=None))
+        callback.after_controller_state_update(None, SchedulingState(scaling_decision=decision))
+        callback.before_controller_execute_resize_decision(decision)
+        assert asked == [], "a restart after a failure asks nobody: its workers may be gone"
+        callback.after_controller_state_update(None, ResizingState(scaling_decision=decision))
+        callback.before_controller_execute_resize_decision(decision)
+        assert asked == [7.0, 7.0], "every rank, with the callback's timeout"
+        callback.before_controller_execute_resize_decision(decision)
+        assert asked == [7.0, 7.0], "asked once per resize"
+        callback.after_controller_state_update(None, ResizingState(scaling_decision=decision))
+        callback.after_worker_group_shutdown(None)
+        callback.before_controller_execute_resize_decision(decision)
+        assert asked == [7.0, 7.0], "no group, nobody to ask"
+    finally:
+        ray_adapter.on_resize_request(None)
+    assert ray_adapter.checkpoint_before_resize(1.0) is None, "no training on this worker: nothing to wait for"
 
 
 def test_a_head_started_here_still_reads_its_gcs_port_from_the_environment():

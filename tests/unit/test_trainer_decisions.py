@@ -45,17 +45,22 @@ def test_preemption_check_steps_takes_auto_or_a_positive_number():
             validate({"name": "x", "checkpoint": {"preemption_check_steps": bad}})
 
 
-@pytest.mark.parametrize("done,stop,interval,gap_ok,preempted,stop_requested,kind", [
-    (100, 1000, 100, True, False, False, Kind.INTERVAL),
-    (100, 1000, 100, False, False, False, None),  # too soon after the last one
-    (150, 1000, 100, True, False, False, None),
-    (1000, 1000, 100, False, False, False, Kind.FINAL),  # the end, whatever the gap
-    (37, 1000, 100, False, False, True, Kind.FINAL),  # a stop request
-    (37, 1000, 100, False, True, False, Kind.JIT),
-    (1000, 1000, 100, True, True, True, Kind.JIT),  # a notice wins: it must be durable before the node goes
+@pytest.mark.parametrize("done,stop,interval,gap_ok,preempted,stop_requested,resizing,kind", [
+    (100, 1000, 100, True, False, False, False, Kind.INTERVAL),
+    (100, 1000, 100, False, False, False, False, None),  # too soon after the last one
+    (150, 1000, 100, True, False, False, False, None),
+    (1000, 1000, 100, False, False, False, False, Kind.FINAL),  # the end, whatever the gap
+    (37, 1000, 100, False, False, True, False, Kind.FINAL),  # a stop request
+    (37, 1000, 100, False, True, False, False, Kind.JIT),
+    (1000, 1000, 100, True, True, True, False, Kind.JIT),  # a notice wins: it must be durable before the node goes
+    (37, 1000, 100, False, False, False, True, Kind.RESIZE),  # between intervals: the restart would lose 37 steps
+    (100, 1000, 100, True, False, False, True, Kind.RESIZE),  # one checkpoint a step, durable before the restart
+    (37, 1000, 100, False, True, False, True, Kind.JIT),  # the notice's, which the resize takes as its own
+    (1000, 1000, 100, False, False, False, True, Kind.FINAL),  # a run at its end finishes instead
+    (37, 1000, 100, False, False, True, True, Kind.FINAL),
 ])
-def test_checkpoint_kind(done, stop, interval, gap_ok, preempted, stop_requested, kind):
-    assert checkpoint_kind(done, stop, interval, gap_ok, preempted, stop_requested) is kind
+def test_checkpoint_kind(done, stop, interval, gap_ok, preempted, stop_requested, resizing, kind):
+    assert checkpoint_kind(done, stop, interval, gap_ok, preempted, stop_requested, resizing) is kind
 
 
 @pytest.mark.parametrize("since_last_s,min_gap_s,in_flight,ok", [
@@ -224,6 +229,49 @@ def test_a_checkpoint_is_in_place_before_ray_hears_of_it_and_ray_is_told_to_keep
     assert jit["checkpoint_upload_mode"].name == "NO_UPLOAD"
 
 
+def test_a_checkpoint_before_a_resize_is_complete_when_save_returns_and_ray_is_not_told(monkeypatch, tmp_path):
+    """The controller waits for it in its resize hook, so a report (which waits for the controller)
+    would stall until the hook gave up: it is written on the training thread, after the interval
+    checkpoint in flight, and left for the restart's restore to find in storage."""
+    import pyarrow.fs as pafs
+
+    from trainers import checkpoint as ckpt
+    from trainers.checkpointer import Kind
+
+    reports, written = [], []
+    c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reports.append(checkpoint),
+                             after=lambda step, jit: written.append((step, jit)))
+    c.save(5, Kind.INTERVAL, lambda: {"step": 5, "w": torch.ones(3)}, {"loss": 1.0}, flush=lambda: lambda: None)
+    c.save(7, Kind.RESIZE, lambda: {"step": 7, "w": torch.full((3,), 2.0)}, {"loss": 0.5})
+    folder = tmp_path / "writes" / "checkpoints"
+    assert ckpt.verify(pafs.LocalFileSystem(), str(folder / ckpt.dir_name(7)))[1] is None  # before close()
+    assert written == [(5, False), (7, False)]  # in order: the one in flight first
+    assert [r.path for r in reports] == [str(folder / ckpt.dir_name(5))], "the resize's is not reported"
+    assert c._pending is None
+    c.close()
+    assert ckpt.load_state(pafs.LocalFileSystem(), str(folder / ckpt.dir_name(7)))["w"].tolist() == [2.0] * 3
+
+
+def test_a_resize_request_waits_for_the_loops_answer_and_gives_up_at_its_timeout():
+    import threading
+    import time
+
+    from trainers.trainer import ResizeRequest
+
+    request, answers = ResizeRequest(), []
+    asker = threading.Thread(target=lambda: answers.append(request.ask(30.0)))
+    asker.start()
+    deadline = time.monotonic() + 5
+    while not request.asked.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert request.asked.is_set() and asker.is_alive(), "asked, and waiting for the checkpoint"
+    request.saved(120)
+    asker.join(timeout=5)
+    assert answers == [120] and not request.asked.is_set(), "answered; training that goes on is not asked again"
+    started = time.monotonic()
+    assert ResizeRequest().ask(0.2) is None and time.monotonic() - started < 5  # nobody answered in time
+
+
 @pytest.mark.parametrize("kind, since_report_s, interval_s, due", [
     ("INTERVAL", float("inf"), 2.0, True),  # the run's first: Ray hears of the job's progress at once
     ("INTERVAL", 0.5, 2.0, False),  # written and restorable, reported with a later one
@@ -231,6 +279,7 @@ def test_a_checkpoint_is_in_place_before_ray_hears_of_it_and_ray_is_told_to_keep
     ("INTERVAL", 0.0, 0.0, True),  # 0: every one
     ("FINAL", 0.0, 60.0, True),  # Ray's result, and the last retention round
     ("JIT", 0.0, 60.0, True),  # what outlives the node
+    ("RESIZE", float("inf"), 0.0, False),  # the controller that would take it waits for the write
 ])
 def test_report_due(kind, since_report_s, interval_s, due):
     from trainers.checkpointer import Kind, report_due
