@@ -406,10 +406,6 @@ def _recorder_class():
     return PlacementGroupRecorder
 
 
-# How long a planned resize waits for its checkpoint: the ranks take it at their next sync step
-# (about a second) and write it; a rank that never gets there (a stalled loader) only delays the resize.
-RESIZE_CHECKPOINT_TIMEOUT_S = 60.0
-
 _resize_handler: Callable[[float], int | None] | None = None
 
 
@@ -440,13 +436,17 @@ def _resize_checkpoint_callback_class():
         bigger one, which then resumes from the newest checkpoint: the steps since it were lost,
         up to a checkpoint interval, more when the restart caught a checkpoint mid-write. Here the
         controller, once it has decided (a running group enters ``ResizingState``; a restart
-        after a failure does not, and its workers may be gone), asks each worker and waits until
-        each says its checkpoint is written (``timeout_s`` at most). The ranks agree on the
-        request at their next sync step, as on a stop, and write the checkpoint without reporting
-        it (the controller is busy here; the restart finds it in storage).
+        after a failure does not, and its workers may be gone), asks each worker and waits for
+        every answer, ``timeout_s`` at most (``distributed.resize_checkpoint_timeout_s``): the
+        ranks agree on the request at their next sync step, as on a stop, rank 0 writes the
+        checkpoint and each rank answers once it is written, before any report to Ray (whose
+        controller is the one waiting here); the restart finds it in storage. Meanwhile the
+        controller's loop and each worker's actor thread wait with it (a second Ctrl-C's abort
+        and a spot notice's marks queue behind it); after it the group is shut down whatever
+        the answers.
         """
 
-        def __init__(self, timeout_s: float = RESIZE_CHECKPOINT_TIMEOUT_S):
+        def __init__(self, timeout_s: float):
             self.timeout_s = timeout_s
             self._group = None
             self._planned = False
@@ -466,18 +466,24 @@ def _resize_checkpoint_callback_class():
 
         def before_controller_execute_resize_decision(self, resize_decision) -> None:
             planned, self._planned = self._planned, False
-            if not planned or self._group is None:
+            if not planned or self._group is None or self.timeout_s <= 0:
                 return
             import ray
 
             try:
                 refs = [w.execute_async(checkpoint_before_resize, self.timeout_s) for w in self._group.get_workers()]
                 ready, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s + 5)
-                steps = ray.get(ready)
-                log.info("resizing to %s workers: checkpoints before the restart at steps %s%s",
-                         resize_decision.num_workers, steps, f", {len(late)} ranks did not answer" if late else "")
             except Exception:  # boundary: a resize goes ahead without it, from the newest checkpoint as before
-                log.warning("could not checkpoint before the resize", exc_info=True)
+                log.warning("could not ask the workers to checkpoint before the resize", exc_info=True)
+                return
+            answers = []
+            for ref in ready:
+                try:
+                    answers.append(ray.get(ref))
+                except Exception as exc:  # a rank that died meanwhile: the others' answers still count
+                    answers.append(f"{type(exc).__name__}")
+            log.info("resizing to %s workers: checkpoints before the restart at steps %s%s", resize_decision.num_workers,
+                     answers, f"; {len(late)} ranks did not answer in {self.timeout_s:g} s" if late else "")
 
     return CheckpointBeforeResize
 
@@ -659,13 +665,14 @@ def placement_group_record(run_key: str) -> bytes:
     return PG_KEY_PREFIX + run_key.encode()
 
 
-def torch_trainer(*args, placement_group_key: str | None = None, **kwargs):
+def torch_trainer(*args, placement_group_key: str | None = None, resize_checkpoint_timeout_s: float = 120.0, **kwargs):
     """A ``ray.train.torch.TorchTrainer`` that starts no dataset-shard actor when it has no
     datasets (ours read their data in the loop) and no placement-group cleaner actor (the driver
     cleans up instead: :class:`PlacementGroupRecorder`), and whose preemption watcher is a
     thread of the controller (:class:`InProcessPreemptionCallback`), not an actor: each start
     and restart of a job spawns three processes fewer. A resize of a running group waits for
-    its ranks' checkpoint (:class:`CheckpointBeforeResize`). Ray Train builds its callbacks in
+    its ranks' checkpoint, ``resize_checkpoint_timeout_s`` at most (:class:`CheckpointBeforeResize`).
+    Ray Train builds its callbacks in
     ``_create_default_callbacks``; the controller adds its own watcher unless the environment it
     is given (Ray Train's RAY_TRAIN_* variables, from the driver's at ``fit()``) turns it off.
     Its backend config is :func:`torch_config`'s unless one is given: no torch in the controller.
@@ -696,7 +703,7 @@ def torch_trainer(*args, placement_group_key: str | None = None, **kwargs):
         def _create_default_callbacks(self):
             left_out = (pg_cleaner_callback,) if self.datasets else (pg_cleaner_callback, datasets_callback)
             kept = [c for c in super()._create_default_callbacks() if not isinstance(c, left_out)]
-            return [*kept, recorder(self.pg_key), preemption_callback(), resize_callback()]
+            return [*kept, recorder(self.pg_key), preemption_callback(), resize_callback(resize_checkpoint_timeout_s)]
 
         def fit(self):
             os.environ[PREEMPTION_WATCHER_ENV] = "0"  # ours runs instead (a second would mark each rank twice)

@@ -91,9 +91,9 @@ def report_due(kind: Kind, since_report_s: float, report_interval_s: float) -> b
     are written and restorable all the same. One before a resize never is: the controller that
     would take the report is waiting for it to be written.
     """
-    if kind is Kind.RESIZE:
-        return False
-    return kind is not Kind.INTERVAL or since_report_s >= report_interval_s
+    if kind is Kind.INTERVAL:
+        return since_report_s >= report_interval_s
+    return kind in (Kind.FINAL, Kind.JIT)
 
 
 def interval_checkpoint_ok(since_last_s: float, min_gap_s: float, previous_in_flight: bool) -> bool:
@@ -318,12 +318,14 @@ class Checkpointer:
         return ok
 
     def save(self, done: int, kind: Kind, state: Callable[[], dict] | None, metrics: dict,
-             flush: Callable[[], Callable[[], None]] = lambda: lambda: None) -> None:
+             flush: Callable[[], Callable[[], None]] = lambda: lambda: None,
+             written: Callable[[int], None] | None = None) -> None:
         """Take a checkpoint at step ``done``. ``state`` builds rank 0's state (other ranks: None).
         ``flush``, for a checkpoint that is reported: takes what the observer writes (on the training
         thread, after the state is built: the checkpoint carries the rows too, as they are written
-        only after the report) and returns the writes, run after the report on the same thread."""
-        report = kind in (Kind.FINAL, Kind.JIT) or (kind is Kind.INTERVAL and self._report_next)
+        only after the report) and returns the writes, run after the report on the same thread.
+        ``written(done)``: once the files are in storage, before any report (a resize waits for it)."""
+        report = self._report_next if kind is Kind.INTERVAL else report_due(kind, 0.0, 0.0)
         started = time.perf_counter()
         if kind is Kind.JIT:
             self.settle(timeout_s=None)  # an earlier failed upload must not cost the notice its checkpoint
@@ -343,11 +345,11 @@ class Checkpointer:
             self.reported_at = self.last_at
         if kind in (Kind.JIT, Kind.RESIZE) or not self.background:
             sync_at = time.perf_counter()
-            self._write_and_report(done, snapshot, dict(metrics), kind is Kind.JIT, writes)
+            self._write_and_report(done, snapshot, dict(metrics), kind is Kind.JIT, writes, written)
             self.timing.blocked_s += time.perf_counter() - sync_at
         else:
             self._yielding.before_work()
-            self._pending = self._thread.submit(self._in_background, done, snapshot, dict(metrics), writes)
+            self._pending = self._thread.submit(self._in_background, done, snapshot, dict(metrics), writes, written)
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Until the checkpoint in flight is written (and reported); its error (or TimeoutError) is raised here."""
@@ -378,13 +380,14 @@ class Checkpointer:
         self._thread.close()
 
     def _in_background(self, done: int, state: dict | None, metrics: dict,
-                       writes: Callable[[], None] | None) -> None:
+                       writes: Callable[[], None] | None, written: Callable[[int], None] | None) -> None:
         with short_gil_slices():
-            self._write_and_report(done, state, metrics, False, writes)
+            self._write_and_report(done, state, metrics, False, writes, written)
 
     def _write_and_report(self, done: int, state: dict | None, metrics: dict, jit: bool,
-                          writes: Callable[[], None] | None) -> None:
-        """Write the checkpoint; with ``writes`` (the observer's), report it, prune, and run them."""
+                          writes: Callable[[], None] | None, written: Callable[[int], None] | None = None) -> None:
+        """Write the checkpoint (then ``written(done)``); with ``writes`` (the observer's), report
+        it, prune, and run them."""
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
@@ -409,6 +412,8 @@ class Checkpointer:
                     checkpoint = Checkpoint(path, filesystem=fs)
                 except Exception as exc:  # re-raised below, after the report every other rank waits in
                     failed = exc
+            if written is not None and failed is None:
+                written(done)
 
             if writes is None:  # not reported: no barrier for the other ranks to wait in
                 if failed is not None:

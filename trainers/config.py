@@ -150,6 +150,10 @@ class DistributedConfig(Strict):
     timeout_s: int = Field(1800, gt=0)
     resize_check_interval_s: float = Field(
         60.0, gt=0, description="with {min, max} workers: how often Ray Train looks for room to grow")
+    resize_checkpoint_timeout_s: float = Field(
+        120.0, ge=0, description="with {min, max} workers: how long Ray Train waits, before it restarts the group "
+                                 "to grow it, for the checkpoint every rank takes at its next sync step (then the "
+                                 "write); past it the restart goes ahead from the newest checkpoint; 0: never wait")
 
     @field_validator("strategy", "backend", mode="before")
     @classmethod

@@ -238,6 +238,7 @@ def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
         # Only a sweep passes callbacks (Tune's). Tune stops a trial by ending its actor, and this
         # driver with it: the sweep's driver removes the workers' placement group, found by the job.
         placement_group_key=home.key if callbacks else None,
+        resize_checkpoint_timeout_s=d.resize_checkpoint_timeout_s,
         train_loop_config={
             "spec": spec.model_dump(mode="json"), "data_uri": data_uri, "storage_uri": home.root.uri,
             "job_dir": home.job, "job_key": home.key, "run_path": home.run_path, "stop_at_step": stop_at_step,

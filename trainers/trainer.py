@@ -3,8 +3,9 @@
 Per step it does what plain DDP does and no more: forward/backward over the step's micro-
 batches, the optimizer step. Everything else happens at "sync steps" (every log interval,
 every ``checkpoint.preemption_check_steps``, by default about once a second, at checkpoints)
-in ONE small all-reduce that carries the loss window, the stop vote and the preemption flag
-(and rank 0's step time, from which every rank sets the next check alike); Ray's own calls (heartbeat,
+in ONE small all-reduce that carries the loss window, the stop vote, the preemption flag and
+Ray Train's request to checkpoint before it resizes the group (and rank 0's step time, from
+which every rank sets the next check alike); Ray's own calls (heartbeat,
 stop request) run in a background thread, and checkpoints are written and reported in
 another (trainers.checkpointer).
 
@@ -25,6 +26,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import ray.train
 import ray.train.torch
@@ -92,7 +94,8 @@ MAX_CHECK_STEPS = 100  # "auto" with short steps: steps that turn slow (a stalle
 
 
 def sync_due(done: int, log_every: int, next_check: int, interval_steps: int) -> bool:
-    """Whether step ``done`` does the small all-reduce (loss window, stop vote, preemption flag)."""
+    """Whether step ``done`` does the small all-reduce (loss window, stop vote, preemption flag,
+    resize request)."""
     return done % log_every == 0 or done >= next_check or done % interval_steps == 0
 
 
@@ -208,24 +211,28 @@ class ResizeRequest:
         self.step: int | None = None
 
     def ask(self, timeout_s: float) -> int | None:
-        """The step of the checkpoint taken for the resize, or None (none within ``timeout_s``)."""
+        """The step of the checkpoint taken for the resize (written: on rank 0 in storage), or None
+        (none within ``timeout_s``, or the attempt ended first)."""
+        self.step = None
+        self._answered.clear()
         self.asked.set()
         self._answered.wait(timeout_s)
         return self.step
 
     def saved(self, step: int | None) -> None:
         """On the training thread: answered (None: the attempt ended without one)."""
-        self.asked.clear()  # training that goes on after a resize that did not come asks anew
+        self.asked.clear()
         self.step = step
         self._answered.set()
 
 
-RESIZE_GRACE_S = 120.0  # past the controller's wait for every rank's checkpoint, and its shutdown's
+RESIZE_GRACE_S = 300.0  # past the controller's wait for every rank's answer, and its shutdown's
 
 
 def wait_out_resize(rank: int, step: int, grace_s: float = RESIZE_GRACE_S) -> None:
-    """After the checkpoint before a resize, stop doing work the restart would throw away. Should
-    the restart not come (the controller gave up on it), training goes on after ``grace_s``."""
+    """After the checkpoint before a resize, stop doing work the restart would throw away: Ray
+    Train shuts the group down once every rank has answered. Should it not (a Ray that changed
+    how it resizes), training goes on after ``grace_s``, and a later request is answered anew."""
     if rank == 0:
         worker_log().info(f"resize: checkpoint at step {step} saved; Ray Train restarts the group now")
     time.sleep(grace_s)
@@ -400,10 +407,8 @@ class Trainer:
                 if kind is None and done % t.log_interval_steps:
                     continue
                 metrics = self.log(done)
-                if kind is not None:
-                    self.save(done, kind, metrics)
-                    if resizing:  # this step's checkpoint, whatever its kind, is the one the resize waits for
-                        self.resize.saved(done)
+                if kind is not None:  # when resizing, this step's checkpoint, whatever its kind, answers the resize
+                    self.save(done, kind, metrics, written=self.resize.saved if resizing else None)
                 if preemption is not None:
                     wait_out_preemption(preemption, self.rank, done)
                 if kind is Kind.RESIZE:
@@ -552,7 +557,7 @@ class Trainer:
                                        metrics["tokens_per_s"], eta))
         return metrics
 
-    def save(self, done: int, kind: Kind, metrics: dict) -> None:
+    def save(self, done: int, kind: Kind, metrics: dict, written: Callable[[int], None] | None = None) -> None:
         in_sync = params_in_sync(self.model, self.world)
         metrics["params_in_sync"] = in_sync
         if not in_sync:
@@ -563,7 +568,7 @@ class Trainer:
         # A collective on every rank; its record goes into this checkpoint (a skipped one would break the chain).
         sample_ids = accounting.gather(self.feed, self.world, done) if self.spec.data.record_sample_ids else None
         self.checkpointer.save(done, kind, self.state_at(done, metrics, sample_ids) if self.rank == 0 else None, metrics,
-                               flush=self.observer.flusher)
+                               flush=self.observer.flusher, written=written)
         timing = self.checkpointer.timing  # what the training thread paid: the copy, and any wait
         self.observer.checkpoint_times(timing.snapshot_s, timing.blocked_s)
 

@@ -56,6 +56,8 @@ BAD_SPECS = [
     ({"checkpoint": {"path": "../../etc/model_{step}.pt"}}, "checkpoint.path", "escapes the job's folder"),
     ({"checkpoint": {"path": "s3://b/model.pt"}}, "checkpoint.path", "checkpoint.storage_root"),
     ({"checkpoint": {"report_interval_s": -1}}, "checkpoint.report_interval_s", "greater than or equal to 0"),
+    ({"distributed": {"resize_checkpoint_timeout_s": -5}}, "distributed.resize_checkpoint_timeout_s",
+     "greater than or equal to 0"),
     ({"checkpoint": {"path": "model_{epoch}.pt"}}, "checkpoint.path", "only the placeholder '{step}' is allowed"),
     ({"checkpoint": {"path": "m_{step:>2000000000}.pt"}}, "checkpoint.path", "written exactly so (no format spec)"),
     ({"checkpoint": {"path": "m_{step!r}.pt"}}, "checkpoint.path", "only the placeholder '{step}'"),

@@ -254,6 +254,11 @@ def test_a_resize_of_a_running_group_waits_for_every_ranks_checkpoint_and_a_rest
         callback.after_worker_group_shutdown(None)
         callback.before_controller_execute_resize_decision(decision)
         assert asked == [7.0, 7.0], "no group, nobody to ask"
+        never = ray_adapter._resize_checkpoint_callback_class()(timeout_s=0.0)
+        never.after_worker_group_start(group)
+        never.after_controller_state_update(None, ResizingState(scaling_decision=decision))
+        never.before_controller_execute_resize_decision(decision)
+        assert asked == [7.0, 7.0], "distributed.resize_checkpoint_timeout_s 0: never wait"
     finally:
         ray_adapter.on_resize_request(None)
     assert ray_adapter.checkpoint_before_resize(1.0) is None, "no training on this worker: nothing to wait for"

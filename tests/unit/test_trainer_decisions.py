@@ -230,9 +230,10 @@ def test_a_checkpoint_is_in_place_before_ray_hears_of_it_and_ray_is_told_to_keep
 
 
 def test_a_checkpoint_before_a_resize_is_complete_when_save_returns_and_ray_is_not_told(monkeypatch, tmp_path):
-    """The controller waits for it in its resize hook, so a report (which waits for the controller)
-    would stall until the hook gave up: it is written on the training thread, after the interval
-    checkpoint in flight, and left for the restart's restore to find in storage."""
+    """The controller waits for it in its resize hook and takes reports only between its polls, so
+    a report could wait for a controller that waits for it: it is written on the training thread,
+    after the interval checkpoint in flight, answered once written, and left for the restart's
+    restore to find in storage."""
     import pyarrow.fs as pafs
 
     from trainers import checkpoint as ckpt
@@ -242,14 +243,29 @@ def test_a_checkpoint_before_a_resize_is_complete_when_save_returns_and_ray_is_n
     c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reports.append(checkpoint),
                              after=lambda step, jit: written.append((step, jit)))
     c.save(5, Kind.INTERVAL, lambda: {"step": 5, "w": torch.ones(3)}, {"loss": 1.0}, flush=lambda: lambda: None)
-    c.save(7, Kind.RESIZE, lambda: {"step": 7, "w": torch.full((3,), 2.0)}, {"loss": 0.5})
     folder = tmp_path / "writes" / "checkpoints"
-    assert ckpt.verify(pafs.LocalFileSystem(), str(folder / ckpt.dir_name(7)))[1] is None  # before close()
+    answered = []
+    c.save(7, Kind.RESIZE, lambda: {"step": 7, "w": torch.full((3,), 2.0)}, {"loss": 0.5},
+           written=lambda step: answered.append((step, ckpt.verify(pafs.LocalFileSystem(),
+                                                                   str(folder / ckpt.dir_name(step)))[1])))
+    assert answered == [(7, None)], "answered once, with the files complete"
     assert written == [(5, False), (7, False)]  # in order: the one in flight first
     assert [r.path for r in reports] == [str(folder / ckpt.dir_name(5))], "the resize's is not reported"
     assert c._pending is None
     c.close()
     assert ckpt.load_state(pafs.LocalFileSystem(), str(folder / ckpt.dir_name(7)))["w"].tolist() == [2.0] * 3
+
+
+def test_a_just_in_time_checkpoint_that_answers_a_resize_answers_before_ray_hears_of_it(monkeypatch, tmp_path):
+    """A spot notice and a resize at one sync step: the step's checkpoint answers the resize, before
+    its report to Ray, which would wait for the controller that waits for the answer."""
+    from trainers.checkpointer import Kind
+
+    events = []
+    c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: events.append("report"))
+    c.save(9, Kind.JIT, lambda: {"step": 9}, {"loss": 1.0}, written=lambda step: events.append(("written", step)))
+    c.close()
+    assert events == [("written", 9), "report"]
 
 
 def test_a_resize_request_waits_for_the_loops_answer_and_gives_up_at_its_timeout():
@@ -269,7 +285,8 @@ def test_a_resize_request_waits_for_the_loops_answer_and_gives_up_at_its_timeout
     asker.join(timeout=5)
     assert answers == [120] and not request.asked.is_set(), "answered; training that goes on is not asked again"
     started = time.monotonic()
-    assert ResizeRequest().ask(0.2) is None and time.monotonic() - started < 5  # nobody answered in time
+    assert request.ask(0.2) is None and time.monotonic() - started < 5, "a later request waits for its own answer"
+    assert request.asked.is_set()
 
 
 @pytest.mark.parametrize("kind, since_report_s, interval_s, due", [
