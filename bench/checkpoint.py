@@ -56,9 +56,10 @@ still uploading when the next is due is skipped.
 On a machine with cores to spare (the lent GPU machine: bench/gpu_run.sh), ``--job-cpus 0,1
 --s3-cpus 2`` gives the jobs (their local Ray and both ranks) two cores, as here, and the stand-in
 a core of its own, as a remote bucket would be: what is left is our side's cost alone.
+``--spare-core`` picks three physical cores itself (no two hyperthreads of one core).
 
     python bench/checkpoint.py [--steps 3000] [--interval 100] [--pairs 4] [--slice-s 4] [--alternate-steps 12000]
-                               [--where s3,local] [--job-cpus 0,1 --s3-cpus 2]
+                               [--where s3,local] [--job-cpus 0,1 --s3-cpus 2 | --spare-core]
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -97,13 +99,46 @@ def cpu_list(text: str, flag: str) -> frozenset[int]:
     try:
         for part in text.split(","):
             first, _, last = part.strip().partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
+            span = range(int(first), int(last or first) + 1)
+            if not span:
+                raise SystemExit(f"{flag} {text!r}: the range {part.strip()} is empty; write the lower CPU first")
+            cpus.update(span)
     except ValueError:
         raise SystemExit(f"{flag} {text!r}: not a CPU list; write it as taskset does, e.g. 0,1 or 0-3") from None
     if not cpus or not cpus <= allowed:
         raise SystemExit(f"{flag} {text!r}: CPUs {sorted(cpus - allowed) or '(none)'} are not this machine's "
                          f"(it may use {','.join(map(str, sorted(allowed)))})")
     return frozenset(cpus)
+
+
+def core_of(cpu: int) -> frozenset[int]:
+    """The CPUs that share ``cpu``'s physical core (hyperthreads), as Linux lists them; {cpu} where it does not say."""
+    try:
+        text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return frozenset({cpu})
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
+
+
+def spare_core_placement(allowed: set[int], core: Callable[[int], frozenset[int]] = core_of,
+                         ) -> tuple[frozenset[int], frozenset[int]]:
+    """Two CPUs for the jobs and one for the S3 stand-in, each on a physical core of its own (two
+    hyperthreads of one core would share it), the highest-numbered first (CPU 0 takes most of a
+    machine's interrupts); a SystemExit where the machine has fewer than three such cores."""
+    chosen: list[int] = []
+    taken: set[int] = set()
+    for cpu in sorted(allowed, reverse=True):
+        if cpu not in taken:
+            chosen.append(cpu)
+            taken |= core(cpu) | {cpu}
+        if len(chosen) == 3:
+            return frozenset(chosen[:2]), frozenset(chosen[2:])
+    raise SystemExit(f"--spare-core: this process may use CPUs {','.join(map(str, sorted(allowed)))}, on "
+                     f"{len(chosen)} physical cores; two ranks and a stand-in off their cores need three")
 
 
 def placement(job_cpus: frozenset[int] | None, s3_cpus: frozenset[int] | None) -> str:
@@ -250,13 +285,22 @@ def main() -> None:
     parser.add_argument("--where", default="s3,local", help="storage to measure: s3, local or both (s3,local)")
     parser.add_argument("--job-cpus", help="CPUs the jobs run on (taskset's list, e.g. 0,1); with --s3-cpus")
     parser.add_argument("--s3-cpus", help="CPUs the S3 stand-in runs on, none of the jobs' (e.g. 2)")
+    parser.add_argument("--spare-core", action="store_true", help="choose --job-cpus and --s3-cpus: three "
+                        "physical cores, two for the jobs and one for the stand-in")
     args = parser.parse_args()
     wanted = [w.strip() for w in args.where.split(",")]
     if not wanted or any(w not in ("s3", "local") for w in wanted):
         raise SystemExit(f"--where {args.where!r}: say s3, local or s3,local")
-    args.job_cpus = cpu_list(args.job_cpus, "--job-cpus") if args.job_cpus else None
-    args.s3_cpus = cpu_list(args.s3_cpus, "--s3-cpus") if args.s3_cpus else None
-    print(f"[bench] {placement(args.job_cpus, args.s3_cpus)}", file=sys.stderr)
+    if args.spare_core and (args.job_cpus or args.s3_cpus):
+        raise SystemExit("--spare-core chooses the CPUs itself: leave out --job-cpus and --s3-cpus")
+    if args.spare_core:
+        args.job_cpus, args.s3_cpus = spare_core_placement(os.sched_getaffinity(0))
+    else:
+        args.job_cpus = cpu_list(args.job_cpus, "--job-cpus") if args.job_cpus else None
+        args.s3_cpus = cpu_list(args.s3_cpus, "--s3-cpus") if args.s3_cpus else None
+    where_run = placement(args.job_cpus, args.s3_cpus)
+    print(f"[bench] {where_run}", file=sys.stderr)
+    print(f"[bench] {where_run}", flush=True)  # with the figures too, which then say where they were taken
 
     port = free_port()
     server = start_s3(port, args.s3_cpus)

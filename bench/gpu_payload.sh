@@ -6,10 +6,11 @@
 # fetches Python 3.12 wheels of the missing packages at the versions in .venv, installs them into
 # one folder, drops what a training run never imports (Ray's Java jars, RLlib, Ray LLM, botocore's
 # models of services other than S3/STS/EC2/IAM, moto's services but the few its S3 server uses) to
-# stay under the tool's 64 MiB per call, and packs it with the run script:
+# stay under the tool's 64 MiB per call, and packs it for bench/gpu_run.sh (tracked, so the run
+# is always this checkout's):
 #
-#   bench/gpu_payload.sh            # ~2 min here; writes .gpu/gpusite.tar.xz (~48 MB) and .gpu/run.sh
-#   device run: command "bash .gpu/run.sh", carry [".gpu"], timeout_s 600
+#   bench/gpu_payload.sh            # ~2 min here; writes .gpu/gpusite.tar.xz (~48 MB)
+#   device run: command "bash bench/gpu_run.sh", carry [".gpu"], timeout_s 600
 #
 # .gpu/ is in .gitignore so that it travels only when carried.
 set -euo pipefail
@@ -46,5 +47,5 @@ find "$site/botocore/data" -mindepth 1 -maxdepth 1 -type d \
   -exec rm -rf {} +
 mkdir -p .gpu
 tar -cJf .gpu/gpusite.tar.xz -C "$work" gpusite
-cp bench/gpu_run.sh .gpu/run.sh
+rm -f .gpu/run.sh  # a copy from before the run script was run in place would go stale
 ls -la .gpu

@@ -355,6 +355,41 @@ def test_the_jobs_and_the_s3_stand_in_are_placed_together_and_apart():
         bench.placement(frozenset({0}), None)
 
 
+@pytest.mark.parametrize("allowed,siblings,expected", [
+    (set(range(16)), {}, ({15, 14}, {13})),  # no hyperthreads: the highest-numbered, CPU 0 left alone
+    (set(range(16)), {c: {c, c + 8} for c in range(8)} | {c: {c - 8, c} for c in range(8, 16)},
+     ({15, 14}, {13})),  # siblings 8 apart: 15, 14, 13 are on cores 7, 6, 5
+    (set(range(8)), {c: {c - c % 2, c - c % 2 + 1} for c in range(8)}, ({7, 5}, {3})),  # siblings side by side
+])
+def test_the_spare_core_placement_puts_each_on_a_physical_core_of_its_own(allowed, siblings, expected):
+    bench = load("checkpoint")
+    jobs, s3 = bench.spare_core_placement(allowed, lambda cpu: frozenset(siblings.get(cpu, {cpu})))
+    assert (set(jobs), set(s3)) == expected
+
+
+def test_a_machine_without_three_physical_cores_is_told_so_by_the_spare_core_placement():
+    bench = load("checkpoint")
+    pairs = {0: {0, 1}, 1: {0, 1}, 2: {2, 3}, 3: {2, 3}}  # 4 CPUs, 2 cores
+    with pytest.raises(SystemExit, match=r"--spare-core: this process may use CPUs 0,1,2,3, on 2 physical cores; "
+                                         r"two ranks and a stand-in off their cores need three"):
+        bench.spare_core_placement({0, 1, 2, 3}, lambda cpu: frozenset(pairs[cpu]))
+    with pytest.raises(SystemExit, match=r"--job-cpus '1-0': the range 1-0 is empty; write the lower CPU first"):
+        bench.cpu_list("1-0", "--job-cpus")
+
+
+def test_the_device_runs_checkpoint_part_is_skipped_when_too_little_of_its_budget_is_left(tmp_path):
+    """bench/gpu_run.sh, as on the lent machine after a long gpu part: it says so and how to run
+    the part alone, instead of being cut off by the call's limit with no figure printed."""
+    import os
+
+    env = {**os.environ, "OUT": str(tmp_path), "SKIP_SITE": "1", "PY": sys.executable, "PARTS": "checkpoint",
+           "RUN_BUDGET_S": "100"}
+    out = subprocess.run(["bash", str(REPO / "bench" / "gpu_run.sh")], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 3 and "checkpoint: skipped" in out.stdout and "PARTS=checkpoint" in out.stdout
+    assert not (tmp_path / "checkpoint_bench.txt").exists(), "no job started"
+
+
 def test_a_placed_s3_stand_in_and_job_run_on_their_cpus_only(tmp_path, monkeypatch):
     """The stand-in's process itself (taskset and chrt exec it: one pid) is held to its CPU, and a
     job's command keeps the caller's PYTHONPATH (the lent GPU machine's carried packages are there)."""
