@@ -92,19 +92,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_cpus(text: str) -> set[int]:
+    """A CPU list as taskset and Linux's sysfs write it (``0,1``, ``0-3,8``); ValueError if it is not one."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            span = range(int(first), int(last or first) + 1)
+        except ValueError:
+            raise ValueError("not a CPU list; write it as taskset does, e.g. 0,1 or 0-3") from None
+        if not span:
+            raise ValueError(f"the range {part.strip()} is empty; write the lower CPU first")
+        cpus.update(span)
+    return cpus
+
+
 def cpu_list(text: str, flag: str) -> frozenset[int]:
     """``0,1`` or ``0-3,8``: CPUs this process may run on, or a SystemExit naming ``flag`` and the fix."""
     allowed = os.sched_getaffinity(0)
-    cpus: set[int] = set()
     try:
-        for part in text.split(","):
-            first, _, last = part.strip().partition("-")
-            span = range(int(first), int(last or first) + 1)
-            if not span:
-                raise SystemExit(f"{flag} {text!r}: the range {part.strip()} is empty; write the lower CPU first")
-            cpus.update(span)
-    except ValueError:
-        raise SystemExit(f"{flag} {text!r}: not a CPU list; write it as taskset does, e.g. 0,1 or 0-3") from None
+        cpus = parse_cpus(text)
+    except ValueError as exc:
+        raise SystemExit(f"{flag} {text!r}: {exc}") from None
     if not cpus or not cpus <= allowed:
         raise SystemExit(f"{flag} {text!r}: CPUs {sorted(cpus - allowed) or '(none)'} are not this machine's "
                          f"(it may use {','.join(map(str, sorted(allowed)))})")
@@ -114,14 +123,10 @@ def cpu_list(text: str, flag: str) -> frozenset[int]:
 def core_of(cpu: int) -> frozenset[int]:
     """The CPUs that share ``cpu``'s physical core (hyperthreads), as Linux lists them; {cpu} where it does not say."""
     try:
-        text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+        return frozenset(parse_cpus(siblings))
     except OSError:
         return frozenset({cpu})
-    cpus: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return frozenset(cpus)
 
 
 def spare_core_placement(allowed: set[int], core: Callable[[int], frozenset[int]] = core_of,
@@ -354,15 +359,13 @@ def main() -> None:
         print(f"samples/s with sync checkpoints every {args.interval} steps: {sync['sync'].steady:.0f}")
         print(f"async checkpoints taken: {median('s3', 'async', 'checkpoints'):.0f}")
         print(f"s3 server cpu seconds per pair: {statistics.median(server_cpu_s):.1f}")
-    if "local" in pairs:
-        print(f"async checkpoints taken to local disk: {median('local', 'async', 'checkpoints'):.0f}")
-    if "s3" in pairs:
         print(f"report() blocking with async upload: {median('s3', 'async', 'report_s'):.3f} s")
         print(f"report() blocking with sync upload: {sync['sync'].report_s:.3f} s")
         print(f"sync checkpoint throughput ratio: {sync['sync'].steady / sync['none'].steady:.3f}")
         print(f"async checkpoint throughput ratio: {statistics.median(ratios('s3')):.3f} "
               f"(median of {args.pairs} pairs in turns: {', '.join(f'{r:.3f}' for r in ratios('s3'))})")
     if "local" in pairs:
+        print(f"async checkpoints taken to local disk: {median('local', 'async', 'checkpoints'):.0f}")
         print(f"async checkpoint throughput ratio to local disk: {statistics.median(ratios('local')):.3f} "
               f"(pairs: {', '.join(f'{r:.3f}' for r in ratios('local'))})")
     for where, label in (("s3", ""), ("local", " to local disk")):

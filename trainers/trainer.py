@@ -422,7 +422,7 @@ class Trainer:
             raise
         finally:
             on_resize_request(None)
-            self.resize.saved(self.resize.step)  # a request still waiting gets its answer now
+            self.resize.saved(None)  # a request still waiting gets its answer now
             if self.pulse:
                 self.pulse.stop()
             self.checkpointer.close()
