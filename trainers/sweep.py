@@ -641,4 +641,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as trainers.sweep, not as __main__: Tune pickles the trainable and the callbacks with the
+    # sweep, and cloudpickle copies __main__'s functions by value, defaults and all. A default
+    # ``print`` then fails to pickle once Ray's driver has replaced print (tqdm_ray does, when its
+    # workers' first logs arrive); the importable module's functions are pickled by name.
+    from trainers.sweep import main as module_main
+
+    sys.exit(module_main())
