@@ -34,7 +34,8 @@ REHEARSAL = "tests/e2e/test_rehearsal.py"
 CODE_TENANT = "tests/integration/test_code_tenant.py"
 # Modules that need nothing of the main lane's, sized so that both lanes end together.
 BESIDE_MODULES = ["tests/integration/test_console.py", "tests/integration/test_data_scale.py",
-                  "tests/integration/test_loss_golden.py", "tests/integration/test_sweep.py"]
+                  "tests/integration/test_loss_golden.py", "tests/integration/test_spot_fallback.py",
+                  "tests/integration/test_sweep.py"]
 LANE_RAY_DIR = "/tmp/ray"  # what Ray and `ray start` use when RAY_TMPDIR is unset
 PYTEST = [sys.executable, "-m", "pytest"]
 

@@ -28,7 +28,7 @@ from conftest import free_port
 from processes import session_pids, stop_session
 from waiting import wait_for
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.no_dashboard]  # its head is its own, not the shared Ray
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 HEAD_TYPE = "ray.head.default"  # the fake provider's name for the head type
