@@ -166,21 +166,32 @@ def pinned(argv: list[str], cpus: frozenset[int] | None) -> list[str]:
 
 
 def start_s3(port: int, cpus: frozenset[int] | None = None, env: dict | None = None) -> subprocess.Popen:
-    """The S3 stand-in (bench/s3_server.py) in its own process under the idle scheduling class, on loopback."""
+    """The S3 stand-in (bench/s3_server.py) in its own process on loopback, under the idle
+    scheduling class once it answers: it yields to the ranks while they train, but its start
+    (~1 CPU-s of imports) is not starved by a machine busy on every core."""
     log = tempfile.TemporaryFile("w+")  # its words, should it not start
-    server = subprocess.Popen(pinned(["chrt", "--idle", "0", sys.executable, str(REPO / "bench" / "s3_server.py"),
-                                      str(port)], cpus),
+    server = subprocess.Popen(pinned([sys.executable, str(REPO / "bench" / "s3_server.py"), str(port)], cpus),
                               stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and server.poll() is None:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
+                idle_class(server.pid)
                 return server
         except OSError:
             time.sleep(0.2)
     stop_s3(server)
     log.seek(0)
     raise SystemExit(f"the S3 server (bench/s3_server.py) did not start within 60 s:\n{log.read()[-2000:]}")
+
+
+def idle_class(pid: int) -> None:
+    """Every thread of ``pid`` under the idle scheduling class; the threads they start inherit it."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setscheduler(int(task), os.SCHED_IDLE, os.sched_param(0))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def stop_s3(server: subprocess.Popen) -> None:
