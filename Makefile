@@ -53,7 +53,7 @@ test-profile: $(STAMP) bytecode
 	status=$$?; $(PY) tests/fixtures/cpu_profile.py cpu-profile.jsonl; exit $$status
 
 # The fast tier for your own loop: no Ray is started, under a minute. Its tests wait on processes
-# and servers of their own as much as they compute: one pytest worker per core (~35 s, not ~62, here).
+# and servers of their own as much as they compute: one pytest worker per core (~40 s, not ~62, here).
 test-fast: $(STAMP) bytecode
 	$(PYTEST) tests/unit -q -n auto
 
