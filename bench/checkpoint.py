@@ -175,11 +175,12 @@ def start_s3(port: int, cpus: frozenset[int] | None = None, env: dict | None = N
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and server.poll() is None:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                idle_class(server.pid)
-                return server
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
         except OSError:
             time.sleep(0.2)
+            continue
+        idle_class(server.pid)  # outside the try: its own error must not read as "not started yet"
+        return server
     stop_s3(server)
     log.seek(0)
     raise SystemExit(f"the S3 server (bench/s3_server.py) did not start within 60 s:\n{log.read()[-2000:]}")
