@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST := $(PY) -m pytest
 
-.PHONY: demo test test-profile test-fast test-ray bench bytecode clean
+.PHONY: demo test test-profile test-fast test-ray bench bytecode system-packages clean
 
 # uv installs in under 30 s what pip took one to two minutes for here (parallel downloads, bytecode
 # compiled on every core). The bytecode is made at install: these machines set
@@ -36,18 +36,24 @@ $(STAMP): pyproject.toml Makefile
 bytecode: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= $(PY) -m compileall -q -j0 trainers cluster service bench tests/fixtures > /dev/null
 
+# What the suite needs from the system (Prometheus, Chromium, sshd, ...): installed when this runs
+# as root or with password-less sudo, else named with the command to install them, and the suite
+# does not start. It comes first, before the venv is built. The list is tests/system_packages.sh.
+system-packages:
+	bash tests/system_packages.sh
+
 demo: $(STAMP) bytecode
 	$(VENV)/bin/etrain demo
 
 # The whole suite: unit (no Ray), integration (a local Ray), e2e. The rehearsed cloud, then the
 # code tenant and a few modules (in namespaces of their own) run beside the rest (tests/lanes.py);
 # `$(PYTEST) tests --ignore=tests/gpu` runs all of it in one lane.
-test: $(STAMP) bytecode
+test: system-packages $(STAMP) bytecode
 	$(PY) tests/lanes.py -q --durations=15
 
 # Where the suite's CPU goes (it is CPU-bound on 2 cores): the whole suite as `make test` runs it,
 # each test's CPU seconds (with everything it started) in cpu-profile.jsonl, then a summary.
-test-profile: $(STAMP) bytecode
+test-profile: system-packages $(STAMP) bytecode
 	rm -f cpu-profile.jsonl
 	ETRAIN_CPU_PROFILE=$(CURDIR)/cpu-profile.jsonl $(PY) tests/lanes.py -q; \
 	status=$$?; $(PY) tests/fixtures/cpu_profile.py cpu-profile.jsonl; exit $$status
@@ -57,7 +63,7 @@ test-profile: $(STAMP) bytecode
 test-fast: $(STAMP) bytecode
 	$(PYTEST) tests/unit -q -n auto
 
-test-ray: $(STAMP) bytecode
+test-ray: system-packages $(STAMP) bytecode
 	$(PYTEST) tests/integration -q
 
 # Side-by-side ratios measured in one run (see bench/); writes BENCHMARKS.md. Each script also

@@ -3,7 +3,7 @@ The node's environment is baked from this venv, as a node image would hold it (s
 
 (The real thing, fresh nodes with their own addresses, users and homes, is tests/e2e/test_rehearsal.py.)
 
-The test starts its own sshd on 127.0.0.1:22 with host and user keys it makes (``.ci/run``
+The test starts its own sshd on 127.0.0.1:22 with host and user keys it makes (`make test`
 installs openssh-server and rsync), runs Ray's own CLI against it, and stops every process
 it started by pid: sshd, and the head's Ray that `ray down` leaves running.
 """
@@ -87,7 +87,7 @@ def baked_node_env(env_dir: Path) -> None:
 @pytest.fixture
 def sshd(tmp_path):
     if not (os.path.exists(SSHD) and shutil.which("rsync")):
-        pytest.fail("openssh-server and rsync are needed: .ci/run installs them (apt-get install openssh-server rsync)")
+        pytest.fail("openssh-server and rsync are needed: `make test` installs them (bash tests/system_packages.sh)")
     if port_open(22):
         pytest.fail("something already listens on 127.0.0.1:22; this test runs its own sshd there")
     if port_open(8265):  # the twin's head binds its dashboard there, with no retries

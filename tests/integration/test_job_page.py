@@ -42,7 +42,7 @@ def watched(ray_local, tmp_path_factory):
     from service.jobs import ServiceSettings
 
     if not shutil.which("chromium"):
-        pytest.fail("chromium is not installed: .ci/run installs the Debian package")
+        pytest.fail("chromium is not installed: `make test` installs it (bash tests/system_packages.sh)")
     wait_for_jobs_agent(f"http://{get_dashboard_url()}")
     work = tmp_path_factory.mktemp("page")
     settings = ServiceSettings(storage_root=str(work / "root"), state_dir=str(work / "state"),

@@ -33,7 +33,7 @@ def prom_query(url: str, expr: str) -> list[dict]:
 def observed(ray_local, tmp_path_factory):
     """Prometheus + the service + one 2-worker job (submitted over HTTP), running while the tests look."""
     if not PROMETHEUS:
-        pytest.fail("prometheus is not installed: .ci/run installs the Debian package")
+        pytest.fail("prometheus is not installed: `make test` installs it (bash tests/system_packages.sh)")
     from ray import serve
     from ray._private.worker import get_dashboard_url
 
@@ -140,7 +140,7 @@ def test_the_web_page_shows_jobs_and_curves_in_chromium(observed, tmp_path):
     from browser import Browser
 
     if not CHROMIUM:
-        pytest.fail("chromium is not installed: .ci/run installs the Debian package")
+        pytest.fail("chromium is not installed: `make test` installs it (bash tests/system_packages.sh)")
     wait_for(lambda: len(requests.get(f"{observed.url}/v1/jobs/{observed.job}/metrics", headers=observed.headers,
                                       timeout=30).json()["rows"]) >= 3, 120, "a few metric rows")
     browser = Browser(tmp_path / "profile")
