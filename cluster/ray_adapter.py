@@ -50,6 +50,10 @@
 - The run's storage filesystem (``get_context().get_storage()``, a DeveloperAPI): checkpoints are
   written in place and reported without an upload, which Ray accepts only on that filesystem
   and under the run's folder (:func:`run_storage_filesystem`).
+- The one-key mappings Ray Tune's variant generator acts on inside a search space's values
+  (``ray.tune.search.variant_generator``: ``{"eval": "<python>"}`` runs, ``{"grid_search": [...]}``
+  expands into trials), at any depth: :data:`TUNE_EXPRESSION_KEYS`. A sweep's listed values go to
+  Tune as indices, and a value holding one of these is refused besides (trainers.sweep).
 
 It lives in cluster/, the lowest layer, so trainers/ and cluster/ share it; nothing else in
 the project may import ``ray._private``, ``ray._raylet``, ``ray.experimental.internal_kv``
@@ -72,6 +76,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+TUNE_EXPRESSION_KEYS = ("eval", "grid_search")
 
 GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # ray._private.ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE
 REFRESH_REQUESTER = "etrain-refresh"  # owns no request: asking for its reservation only ticks the actor

@@ -8,7 +8,7 @@ the token once, as Jupyter does.
 
 Roles: ``admin`` sees every tenant and may run anything; ``code`` may run its own code
 (``train_loop``, any factory: trusted within the cluster); ``user`` runs built-in workloads
-and factories from modules the operator allows, and reads data only under its own prefix
+and exactly the factories (``module:function``) the operator allows, and reads data only under its own prefix
 of the storage root or URIs the operator allows it. The checks read the spec's strings
 only: the service never imports a module a spec names, so an answer never tells whether
 a module exists.
@@ -163,9 +163,10 @@ def in_tenant_data(source: str, tenant_root: str) -> str:
     return joined + "/" if source.endswith("/") else joined
 
 
-def module_allowed(ref: str, prefixes: list[str]) -> bool:
-    module = ref.split(":", 1)[0]
-    return any(module == p or module.startswith(p.rstrip(".") + ".") for p in prefixes)
+def factory_allowed(ref: str, allowed: Sequence[str]) -> bool:
+    """Exactly a listed 'module:function': never another name of the same module (a class, an
+    imported helper, a function that writes files would all take the tenant's keyword arguments)."""
+    return ref in allowed
 
 
 def _get(data: Any, dotted: str) -> Any:
@@ -181,18 +182,18 @@ def _overlaps(key: str, field: str) -> bool:
     return key == field or key.startswith(field + ".") or field.startswith(key + ".")
 
 
-def policy_problems(role: str, data: dict, factory_modules: list[str], tenant_root: str,
+def policy_problems(role: str, data: dict, allowed_factories: Sequence[str], tenant_root: str,
                     data_uris: Sequence[str] = ()) -> list[str]:
     """What ``role`` may not put in this spec (a job's, or a sweep's with its space).
 
     Pure and string-only: nothing named is imported or opened. A relative ``data.source`` is
     read under ``tenant_root``; ``data_uris`` are what the operator allows the tenant besides;
-    ``factory_modules`` the module prefixes a user's factories may come from. A sweep's every
+    ``allowed_factories`` the exact 'module:function' names a user's factories may be. A sweep's every
     listed value is checked in the trial spec it makes. Messages echo values as given, never
     where the server keeps things, nor what exists.
     """
     base = {k: v for k, v in data.items() if k != "sweep"}
-    problems = spec_problems(role, base, factory_modules, tenant_root, data_uris)
+    problems = spec_problems(role, base, allowed_factories, tenant_root, data_uris)
     space = _get(data, "sweep.space")
     for key, domain in space.items() if isinstance(space, dict) else ():
         if not isinstance(key, str):
@@ -205,7 +206,7 @@ def policy_problems(role: str, data: dict, factory_modules: list[str], tenant_ro
             continue
         values = next(iter(domain.values())) if isinstance(domain, dict) and len(domain) == 1 else None
         for value in values if isinstance(values, list) else ():
-            trial = spec_problems(role, trial_spec_view(base, key, value), factory_modules, tenant_root, data_uris)
+            trial = spec_problems(role, trial_spec_view(base, key, value), allowed_factories, tenant_root, data_uris)
             new = [p for p in trial if p not in problems]
             if new:
                 problems.extend(f"sweep.space.{key}: {json.dumps(value, default=str)[:200]}: {p}" for p in new)
@@ -213,7 +214,7 @@ def policy_problems(role: str, data: dict, factory_modules: list[str], tenant_ro
     return problems
 
 
-def spec_problems(role: str, data: dict, factory_modules: list[str], tenant_root: str,
+def spec_problems(role: str, data: dict, allowed_factories: Sequence[str], tenant_root: str,
                   data_uris: Sequence[str] = ()) -> list[str]:
     """What ``role`` may not put in one job spec (see policy_problems)."""
     if role in ("admin", "code"):
@@ -222,12 +223,12 @@ def spec_problems(role: str, data: dict, factory_modules: list[str], tenant_root
     if _get(data, "train_loop") is not None:
         problems.append("train_loop: not allowed for role 'user': your own training loop needs a tenant with "
                         "role 'code' (ask your operator), or use the built-in loop with model/data factories")
-    allowed = ", ".join(factory_modules) if factory_modules else "none"
+    allowed = ", ".join(allowed_factories) if allowed_factories else "none"
     for field in ("data.factory", "model.factory"):
         ref = _get(data, field)
-        if ref is not None and not (isinstance(ref, str) and module_allowed(ref, factory_modules)):
+        if ref is not None and not (isinstance(ref, str) and factory_allowed(ref, allowed_factories)):
             problems.append(f"{field}: {json.dumps(ref, default=str)[:200]}: not allowed for role 'user': "
-                            f"factories may come from modules under: {allowed} (your operator sets the list)")
+                            f"the factories allowed are exactly: {allowed} (your operator sets the list)")
     source = _get(data, "data.source")
     if isinstance(source, str) and not source.startswith("builtin:") and not any(
             is_under(in_tenant_data(source, tenant_root), r) for r in (tenant_root, *data_uris)):

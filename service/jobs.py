@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cluster.storage import StorageRoot, open_root
 from service.auth import ROLES, Principal, in_tenant_data, is_under, policy_problems
@@ -74,9 +74,10 @@ class ServiceSettings(BaseModel):
     tenant_quotas: dict[str, int] = Field(default_factory=dict, description="per-tenant override of the quota")
     max_sweep_trials: dict[str, int] = Field(
         default_factory=dict, description=f"most trials one sweep may run, per role (default {SWEEP_TRIALS})")
-    factory_modules: list[str] = Field(
-        default_factory=list, description="module prefixes a 'user' tenant's model/data factories may come from, "
-                                          "e.g. ['acme_models'] allows acme_models and acme_models.*")
+    allowed_factories: list[str] = Field(
+        default_factory=list, description="the exact 'module:function' names a 'user' tenant's model/data "
+                                          "factories may be, e.g. ['acme_models.vision:make_resnet']; every "
+                                          "other name in those modules stays refused")
     tenant_data_uris: dict[str, list[str]] = Field(
         default_factory=dict, description="per tenant: URIs (prefixes) a 'user' tenant may read data from besides "
                                           "its own storage prefix")
@@ -91,6 +92,26 @@ class ServiceSettings(BaseModel):
     entrypoint_resources: dict[str, float] = Field(
         default_factory=dict, description="Ray resources a job's driver needs, e.g. {'head': 1} to keep drivers "
                                           "on the on-demand head node, never on a spot worker")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_module_allow_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "factory_modules" in data:
+            raise ValueError("factory_modules: replaced by allowed_factories, which lists each allowed factory "
+                             "exactly ('acme_models.vision:make_resnet'): a whole module let a tenant call any "
+                             "function, class or imported name in it")
+        return data
+
+    @field_validator("allowed_factories")
+    @classmethod
+    def _exact_refs(cls, refs: list[str]) -> list[str]:
+        from trainers.config import REF_PATTERN
+
+        bad = [r for r in refs if not re.fullmatch(REF_PATTERN, r)]
+        if bad:
+            raise ValueError(f"allowed_factories: {bad[0]!r} is not 'package.module:function': name each factory "
+                             "exactly, e.g. 'acme_models.vision:make_resnet'")
+        return refs
 
     @model_validator(mode="after")
     def _state_outside_storage(self) -> "ServiceSettings":
@@ -254,7 +275,7 @@ class JobManager:
         if not isinstance(data, dict):
             raise SpecError(["(top level): a spec is a mapping of sections"])
         tenant, troot = who.tenant, self.tenant_root(who.tenant)
-        problems = policy_problems(who.role, data, self.settings.factory_modules, troot.uri,
+        problems = policy_problems(who.role, data, self.settings.allowed_factories, troot.uri,
                                    self.settings.tenant_data_uris.get(tenant, []))
         if problems:
             raise Forbidden(problems)

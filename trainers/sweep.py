@@ -159,6 +159,26 @@ def domain_problems(key: str, domain: Any, search: str) -> list[str]:
     return []
 
 
+def tune_expression_at(value: Any, path: str) -> str | None:
+    """Where ``value`` holds a mapping keyed like a Ray Tune expression (``eval``, ``grid_search``),
+    as a problem line, or None. Walked without recursion, at any depth."""
+    from cluster.ray_adapter import TUNE_EXPRESSION_KEYS
+
+    stack = [(value, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            found = [k for k in TUNE_EXPRESSION_KEYS if k in node]
+            if found:
+                return (f"{where}: a mapping with the key {found[0]!r}: Ray Tune would read it as "
+                        f"{'Python to run' if found[0] == 'eval' else 'more trials'}: listed values are data; "
+                        "rename the key, or list the values you want under this key's own domain")
+            stack.extend((child, f"{where}.{key}") for key, child in node.items())
+        elif isinstance(node, list):
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(node))
+    return None
+
+
 def candidate_values(domain: dict) -> list[Any]:
     """Values that stand for a domain when checking it against the job spec: all listed, or both bounds."""
     kind, arg = next(iter(domain.items()))
@@ -188,6 +208,10 @@ def space_problems(sweep: SweepConfig, base: dict) -> list[str]:
         shape = domain_problems(key, domain, sweep.search)
         if shape:
             problems.extend(shape)
+            continue
+        expression = tune_expression_at(next(iter(domain.values())), f"{path}.{next(iter(domain))}")
+        if expression:
+            problems.append(expression)
             continue
         kind, values = next(iter(domain)), candidate_values(domain)
         listed += len(values)
@@ -252,16 +276,22 @@ def _merge(base: dict, over: dict) -> dict:
 
 
 def tune_space(sweep: SweepConfig) -> dict[str, Any]:
-    """The space as Ray Tune domains, keyed by dotted spec key."""
+    """The space as Ray Tune domains, keyed by dotted spec key.
+
+    A listed value reaches Tune as its index, never as itself: Tune's variant generator reads a
+    one-key mapping ``{"eval": ...}`` inside a value as Python to run and ``{"grid_search": [...]}``
+    as more trials, at any depth. Indices are plain ints; ``trial_values`` maps them back in the
+    trial. Ranges reach it as the two numbers they are.
+    """
     from ray import tune
 
     space = {}
     for key, domain in sweep.space.items():
         kind, arg = next(iter(domain.items()))
         if kind == "grid" or (kind == "choice" and sweep.search == "grid"):
-            space[key] = tune.grid_search(arg)
+            space[key] = tune.grid_search(list(range(len(arg))))
         elif kind == "choice":
-            space[key] = tune.choice(arg)
+            space[key] = tune.choice(list(range(len(arg))))
         elif kind == "uniform":
             space[key] = tune.uniform(*arg)
         elif kind == "loguniform":
@@ -269,6 +299,16 @@ def tune_space(sweep: SweepConfig) -> dict[str, Any]:
         else:
             space[key] = tune.randint(int(arg[0]), int(arg[1]) + 1)  # Tune's upper bound is exclusive
     return space
+
+
+def trial_values(space: dict[str, dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    """A trial's values from Tune's config: a listed domain's index becomes the value it lists."""
+    values = {}
+    for key, picked in config.items():
+        domain = space.get(key)
+        kind, arg = next(iter(domain.items())) if isinstance(domain, dict) and len(domain) == 1 else (None, None)
+        values[key] = copy.deepcopy(arg[picked]) if kind in ("choice", "grid") else picked
+    return values
 
 
 def make_scheduler(sweep: SweepConfig):
@@ -311,7 +351,7 @@ def trial_job_data(base: dict, values: dict[str, Any], name: str, jobs_uri: str)
     return data
 
 
-def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
+def run_trial(config: dict, base: dict, space: dict, jobs_uri: str, data_uri: str) -> None:
     """One trial, inside Tune: the base spec with this trial's values, run as a job."""
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
@@ -319,7 +359,8 @@ def run_trial(config: dict, base: dict, jobs_uri: str, data_uri: str) -> None:
     from trainers.home import job_home
     from trainers.launch import latest_metrics, run_job
 
-    spec = validate(trial_job_data(base, config, trial_job_name(ray.tune.get_context().get_trial_id()), jobs_uri))
+    values = trial_values(space, config)
+    spec = validate(trial_job_data(base, values, trial_job_name(ray.tune.get_context().get_trial_id()), jobs_uri))
     done, _, _ = latest_metrics(job_home(spec))
     if done and done.get("step") == done.get("target_step"):
         ray.tune.report(done)  # finished before the sweep's driver died: report, do not train again
@@ -476,7 +517,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
                 f"the cluster has {cpus:.0f}: trials will wait for workers")
         data_uri = prepare_data(plan.spec, jobs)  # once, before trials race to make it
         trainable = tune.with_resources(
-            tune.with_parameters(run_trial, base=plan.base, jobs_uri=jobs.uri, data_uri=data_uri),
+            tune.with_parameters(run_trial, base=plan.base, space=s.space, jobs_uri=jobs.uri, data_uri=data_uri),
             # A trial's driver only waits on its TorchTrainer, whose workers hold the real resources
             # (Tune refuses an empty request).
             {"cpu": TRIAL_DRIVER_CPU})
@@ -497,7 +538,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
                                           failure_config=tune.FailureConfig(max_failures=0), verbose=1),
             )
         grid = tuner.fit()
-        rows = result_rows(grid, s.metric)
+        rows = result_rows(grid, s.metric, s.space)
         for row in rows:  # a resumed sweep started before this callback existed, or a callback's missed call
             remove_trial_placement_group(jobs, row["trial"], say)
         settle_trial_summaries(rows, plan.base, jobs)
@@ -518,7 +559,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
     return (EXIT_FAILED if errors or not best else EXIT_OK), report
 
 
-def result_rows(grid, metric: str) -> list[dict]:
+def result_rows(grid, metric: str, space: dict[str, dict[str, Any]]) -> list[dict]:
     """One row per trial: values, status (finished, stopped early, error), step reached, metrics."""
     rows = []
     for result in grid:
@@ -533,7 +574,7 @@ def result_rows(grid, metric: str) -> list[dict]:
         else:
             status = "finished"
         rows.append({
-            "trial": trial_id, "params": {k: v for k, v in (result.config or {}).items()},
+            "trial": trial_id, "params": trial_values(space, result.config or {}),
             "status": status, "step": m.get("step"), "target_step": m.get("target_step"),
             "reports": m.get("training_iteration"), metric: m.get(metric),
             "loss": m.get("loss"), "samples_per_s": m.get("steady_samples_per_s"),

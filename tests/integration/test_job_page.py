@@ -47,7 +47,7 @@ def watched(ray_local, tmp_path_factory):
     work = tmp_path_factory.mktemp("page")
     settings = ServiceSettings(storage_root=str(work / "root"), state_dir=str(work / "state"),
                                ray_dashboard_url=f"http://{get_dashboard_url()}", reconcile_interval_s=1,
-                               stop_wait_s=30, factory_modules=["userpkg", "pagepkg"],
+                               stop_wait_s=30, allowed_factories=["pagepkg:held_after_failure", "userpkg:make_data"],
                                tenant_env={"team-p": {"PYTHONPATH": CODE_PATH}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -51,7 +51,7 @@ def observed(ray_local, tmp_path_factory):
     port = free_port()
     settings = ServiceSettings(storage_root=str(work / "root"), state_dir=str(work / "state"),
                                ray_dashboard_url=f"http://{get_dashboard_url()}", reconcile_interval_s=1, stop_wait_s=60,
-                               factory_modules=["slowpkg", "userpkg"])
+                               allowed_factories=["slowpkg:busy_model", "userpkg:make_data"])
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(JobService.bind(settings.model_dump(), [TokenEntry(tenant="team-o", role="user", token=TOKEN)

@@ -52,7 +52,7 @@ def service(ray_local, tmp_path_factory):
     settings = ServiceSettings(
         storage_root=str(work / "root"), state_dir=str(work / "state"),
         ray_dashboard_url=f"http://{get_dashboard_url()}", reconcile_interval_s=1, stop_wait_s=30,
-        factory_modules=["userpkg"], tenant_quotas={"team-a": 3},
+        allowed_factories=["userpkg:make_data", "userpkg:make_model"], tenant_quotas={"team-a": 3},
         # Where the operator's allowed modules (tests/fixtures here) are installed, for the tenants that use them.
         tenant_env={"team-a": {"PYTHONPATH": CODE_PATH}})
     tokens = [TokenEntry(tenant=t, role=r, token=token_of(w)).model_dump(exclude={"token"})

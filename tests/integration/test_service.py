@@ -49,7 +49,7 @@ def service(ray_local, tmp_path_factory):
     settings = ServiceSettings(storage_root=str(root), state_dir=str(tmp_path_factory.mktemp("service-state")),
                                ray_dashboard_url=f"http://{get_dashboard_url()}", tenant_quotas={"fuzz": 0, "fuzz-ok": 2},
                                stop_wait_s=60, reconcile_interval_s=1, max_body_bytes=65536,
-                               factory_modules=["slowpkg", "userpkg"])
+                               allowed_factories=["slowpkg:busy_model", "userpkg:make_data"])
     tokens = [TokenEntry(tenant=t, role=r, token=token_of(w)).model_dump(exclude={"token"})
               for w, (t, r) in TOKENS.items()]
     port = free_port()

@@ -590,3 +590,19 @@ def test_a_checkpoint_written_in_place_is_one_ray_takes_without_an_upload(tmp_pa
     assert not is_managed_checkpoint(storage, Checkpoint(str(tmp_path / "elsewhere"), filesystem=storage.storage_filesystem))
     assert "get_storage()" in inspect.getsource(DistributedTrainContext.get_storage)
     assert CheckpointUploadMode.ASYNC.default_delete_local_checkpoint_after_upload() is True
+
+
+def test_tune_reads_exactly_these_one_key_mappings_in_a_space():
+    """The keys a sweep refuses in its listed values are every key Tune's variant generator acts on:
+    a Ray that adds one fails here, and the refusal (trainers.sweep) must learn it."""
+    import re
+
+    from ray.tune.search import variant_generator
+
+    from cluster.ray_adapter import TUNE_EXPRESSION_KEYS
+
+    source = inspect.getsource(variant_generator)
+    acted_on = set(re.findall(r'"(\w+)" in (?:v|domain)\b', source))
+    assert acted_on == set(TUNE_EXPRESSION_KEYS), acted_on
+    resolved = list(variant_generator.generate_variants({"a": {"grid_search": [1, 2]}, "b": {"eval": "3 * 2"}}))
+    assert [config for _, config in resolved] == [{"a": 1, "b": 6}, {"a": 2, "b": 6}]

@@ -119,7 +119,8 @@ ROOT = "/srv/etrain/tenants/team-a"
 POLICY = [
     # role, spec, expected problem (None: allowed)
     ("user", {"data": {"factory": "subprocess:run", "options": {"args": ["sh"]}}},
-     "data.factory: \"subprocess:run\": not allowed for role 'user': factories may come from modules under: userpkg"),
+     "data.factory: \"subprocess:run\": not allowed for role 'user': the factories allowed are exactly: "
+     "userpkg:make_model, userpkg.sub:make_data, userpkg:x, userpkg:a, userpkg.sub:b"),
     ("user", {"model": {"factory": "os:system"}}, "model.factory: \"os:system\": not allowed for role 'user'"),
     ("user", {"model": {"factory": "no_such_module_at_all:fn"}}, "model.factory: \"no_such_module_at_all:fn\": not allowed"),
     ("user", {"model": {"factory": "userpkgevil:make"}}, "model.factory: \"userpkgevil:make\": not allowed"),
@@ -167,7 +168,8 @@ POLICY = [
 
 @pytest.mark.parametrize("role,spec,expected", POLICY)
 def test_what_a_role_may_name(role, spec, expected):
-    problems = policy_problems(role, spec, ["userpkg"], ROOT, ["s3://shared-data/public"])
+    problems = policy_problems(role, spec, ["userpkg:make_model", "userpkg.sub:make_data", "userpkg:x", "userpkg:a",
+                                            "userpkg.sub:b"], ROOT, ["s3://shared-data/public"])
     if expected is None:
         assert problems == []
     else:
@@ -315,11 +317,11 @@ def test_serve_reads_the_operators_settings_file(tmp_path):
     from service.cli import serve_settings
 
     config = tmp_path / "service.yaml"
-    config.write_text("factory_modules: [acme_models]\nmax_sweep_trials: {user: 10}\ntenant_quotas: {a: 2}\n")
+    config.write_text("allowed_factories: ['acme_models:make']\nmax_sweep_trials: {user: 10}\ntenant_quotas: {a: 2}\n")
     args = argparse.Namespace(config=str(config), dashboard_url=None, quota=None, stop_wait_s=None,
                               state_dir=str(tmp_path / "state"))
     settings = serve_settings(args, str(tmp_path / "root"))
-    assert settings.factory_modules == ["acme_models"] and settings.tenant_quotas == {"a": 2}
+    assert settings.allowed_factories == ["acme_models:make"] and settings.tenant_quotas == {"a": 2}
     assert settings.max_sweep_trials == {"user": 10, "code": 256, "admin": 1024}  # the roles not given keep theirs
     args.state_dir = str(tmp_path / "root" / "state")
     with pytest.raises(ValueError, match="state_dir .* is inside the storage root, where jobs write"):
@@ -328,3 +330,24 @@ def test_serve_reads_the_operators_settings_file(tmp_path):
     args.state_dir = None
     with pytest.raises(ValueError, match="unknown roles \\['root'\\]"):
         serve_settings(args, str(tmp_path / "root"))
+
+
+def test_factories_are_allowed_by_exact_name_never_by_module(tmp_path):
+    """An allowed module's other names (a helper that opens a path for writing, a class, an imported
+    name) take the tenant's keyword arguments too: only the listed module:function passes."""
+    from service.auth import policy_problems
+    from service.jobs import ServiceSettings
+
+    allowed = ["acme_models.vision:make_resnet"]
+    root = str(tmp_path / "tenants" / "t")
+    assert policy_problems("user", {"model": {"factory": allowed[0]}, "data": {"factory": allowed[0]}},
+                           allowed, root) == []
+    for ref in ("acme_models.vision:open_for_write", "acme_models.vision:os", "acme_models:make_resnet",
+                "acme_models.vision.sub:make_resnet", "acme_models.vision:make_resnet_x"):
+        problems = policy_problems("user", {"model": {"factory": ref}}, allowed, root)
+        assert problems == [f'model.factory: "{ref}": not allowed for role \'user\': the factories allowed are '
+                            'exactly: acme_models.vision:make_resnet (your operator sets the list)'], problems
+    with pytest.raises(ValueError, match="factory_modules: replaced by allowed_factories"):
+        ServiceSettings(storage_root=str(tmp_path), ray_dashboard_url="http://x", factory_modules=["acme"])
+    with pytest.raises(ValueError, match="'acme_models' is not 'package.module:function'"):
+        ServiceSettings(storage_root=str(tmp_path), ray_dashboard_url="http://x", allowed_factories=["acme_models"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -116,9 +117,33 @@ def test_tune_space_maps_each_domain():
     assert isinstance(space["training.batch_size"], Categorical)
     assert isinstance(space["training.learning_rate"], Float)
     assert isinstance(space["data.num_workers"], Integer) and space["data.num_workers"].upper == 3  # high included
-    assert space["training.seed"] == {"grid_search": [1, 2]}
+    assert space["training.seed"] == {"grid_search": [0, 1]}  # listed values go to Tune as indices
+    assert space["training.batch_size"].categories == [0, 1]
     grid = tune_space(SweepConfig(space={"training.batch_size": {"choice": [32, 64]}}, search="grid"))
-    assert grid["training.batch_size"] == {"grid_search": [32, 64]}
+    assert grid["training.batch_size"] == {"grid_search": [0, 1]}
+
+
+def test_tunes_own_generator_never_sees_a_listed_value(tmp_path):
+    """Ray Tune's variant generator runs a one-key {"eval": ...} mapping as Python and expands a
+    {"grid_search": [...]} one into more trials, at any depth of a sampled value. The real generator,
+    given our space, makes only indices; the trial's values are the listed ones, untouched."""
+    from ray.tune.search.variant_generator import generate_variants
+
+    from trainers.sweep import SweepConfig, trial_values
+
+    marker = tmp_path / "pwned"
+    evil = {"eval": f"open({str(marker)!r}, 'w').write('x')"}
+    listed = [{"x": evil}, {"y": {"grid_search": [1, 2, 3]}}]
+    for search in ("random", "grid"):
+        sweep = SweepConfig(search=search, space={"model.options": {"choice": listed}})
+        configs = [config for _, config in generate_variants(tune_space(sweep))]
+        assert not marker.exists()
+        assert all(isinstance(c["model.options"], int) for c in configs) and len(configs) <= 2
+        assert {json.dumps(trial_values(sweep.space, c)["model.options"]) for c in configs} <= {
+            json.dumps(v) for v in listed}
+    # What the indices prevent: the same value given to Tune as itself runs the expression.
+    list(generate_variants({"model.options": {"choice_value": {"x": evil}}}))
+    assert marker.exists(), "Tune no longer evaluates {'eval': ...}: the refusal in space_problems may be relaxed"
 
 
 def test_trial_values_never_touch_the_base():
@@ -177,7 +202,7 @@ def test_cli_refuses_a_bad_sweep_before_ray(tmp_path):
 
 
 def test_optuna_suggests_values_inside_the_space():
-    from trainers.sweep import SweepConfig, make_searcher
+    from trainers.sweep import SweepConfig, make_searcher, trial_values
 
     sweep = SweepConfig(search="optuna", space={"training.learning_rate": {"loguniform": [1e-4, 1e-2]},
                                                 "training.batch_size": {"choice": [32, 64]},
@@ -187,7 +212,8 @@ def test_optuna_suggests_values_inside_the_space():
     for i in range(5):
         config = searcher.suggest(f"t{i}")
         assert 1e-4 <= config["training.learning_rate"] <= 1e-2
-        assert config["training.batch_size"] in (32, 64) and config["data.num_workers"] in (0, 1, 2)
+        assert config["training.batch_size"] in (0, 1) and config["data.num_workers"] in (0, 1, 2)
+        assert trial_values(sweep.space, config)["training.batch_size"] in (32, 64)
         searcher.on_trial_complete(f"t{i}", {"loss": 1.0 / (i + 1), "training_iteration": 1})
 
 
@@ -260,3 +286,16 @@ def test_a_trial_placement_group_that_cannot_be_removed_is_said_and_the_sweep_go
     said: list[str] = []
     sweep.remove_trial_placement_group(open_root(str(tmp_path / "jobs")), "abc_00001", said.append)
     assert said == ["[etrain] note: could not remove trial abc_00001's placement group (RuntimeError: GCS unreachable)"]
+
+
+@pytest.mark.parametrize("value, where, reads_as", [
+    ({"eval": "__import__('os').system('id')"}, "sweep.space.model.options.choice[1]", "Python to run"),
+    ({"x": [{"deep": {"grid_search": [1, 2, 3]}}]}, "sweep.space.model.options.choice[1].x[0].deep", "more trials"),
+    ({"a": {"eval": "1", "other": 2}}, "sweep.space.model.options.choice[1].a", "Python to run"),
+])
+def test_a_listed_value_keyed_like_a_tune_expression_is_refused_wherever_it_sits(tmp_path, value, where, reads_as):
+    p = write_sweep(tmp_path, {"model.options": {"choice": [{}, value]}})
+    with pytest.raises(SpecError) as err:
+        load_sweep(p)
+    assert any(line.startswith(where + ": a mapping with the key") and reads_as in line
+               for line in err.value.problems), err.value.problems
