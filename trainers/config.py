@@ -82,6 +82,27 @@ def check_import_ref(ref: str) -> str:
     return ref
 
 
+MAX_OPTIONS_DEPTH = 6
+MAX_OPTIONS_BYTES = 16 << 10
+
+
+def check_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Free-form keyword arguments stay small plain data: a factory's settings, not a payload."""
+    depth, stack = 0, [(options, 1)]
+    while stack:
+        value, level = stack.pop()
+        depth = max(depth, level)
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, level + 1) for child in children)
+    if depth > MAX_OPTIONS_DEPTH:
+        raise ValueError(f"nested {depth} levels deep: options are at most {MAX_OPTIONS_DEPTH} levels: flatten them")
+    size = len(json.dumps(options, default=str))
+    if size > MAX_OPTIONS_BYTES:
+        raise ValueError(f"{size} bytes as JSON: options hold at most {MAX_OPTIONS_BYTES} bytes: put data in "
+                         "storage and pass its path")
+    return options
+
+
 class LRSchedule(Strict):
     kind: Literal["constant", "warmup_cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
@@ -303,6 +324,11 @@ class DataConfig(Strict):
     def _importable(cls, v: str | None) -> str | None:
         return v if v is None else check_import_ref(v)
 
+    @field_validator("options")
+    @classmethod
+    def _small_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_options(v)
+
     @field_validator("num_workers", mode="before")
     @classmethod
     def _count_or_auto(cls, v: Any) -> Any:
@@ -327,6 +353,11 @@ class ModelConfig(Strict):
     @classmethod
     def _importable(cls, v: str | None) -> str | None:
         return v if v is None else check_import_ref(v)
+
+    @field_validator("options")
+    @classmethod
+    def _small_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_options(v)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -508,6 +539,10 @@ def format_errors(exc: ValidationError, root: type[BaseModel] | None = None, pre
 MAX_DEPTH = 32
 MAX_NODES = 20_000
 MAX_INT_DIGITS = 30
+# The longest text a spec holds: a path, a URI, a factory name. Every route that shows a spec (and every
+# regex that reads one) then works on short strings, whatever a tenant sends.
+MAX_STRING_CHARS = 4096
+MAX_KEY_CHARS = 256
 
 
 class _SpecLoader(yaml.CSafeLoader):
@@ -558,6 +593,9 @@ def _yaml_shape_problem(text: str) -> str | None:
     depth = nodes = 0
     for event in yaml.parse(text, Loader=yaml.CSafeLoader):
         where = f"line {event.start_mark.line + 1}"
+        if (isinstance(event, yaml.ScalarEvent) and len(event.value) > MAX_STRING_CHARS
+                and not re.fullmatch(r"[-+]?[0-9_]+", event.value)):  # a long number: the int loader says so
+            return f"{where}: {_long_text(event.value)}"
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
             return f"{where}: YAML anchors and aliases (& and *) are not accepted: write the values out"
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
@@ -579,18 +617,38 @@ def _bounded_json_int(digits: str) -> int:
     return int(digits)
 
 
+def _long_text(text: str, what: str = "a text") -> str:
+    limit = MAX_KEY_CHARS if what == "a key" else MAX_STRING_CHARS
+    return (f"{what} of {len(text)} characters ({json.dumps(text[:40])[:-1]}...\"): a spec's texts have at most "
+            f"{limit} characters: shorten it (data belongs in storage, named by a path)")
+
+
+def _refuse_constant(name: str) -> float:
+    raise SpecError([f"{name}: not a number a spec can hold: write a finite number"])
+
+
 def _json_shape_problem(data: Any) -> str | None:
-    """Depth and size of parsed JSON, walked without recursion."""
-    nodes, stack = 0, [(data, 1)]
+    """Depth, size, text lengths and finite numbers of parsed data, walked without recursion."""
+    nodes, stack = 0, [(data, 1, "")]
     while stack:
-        value, depth = stack.pop()
+        value, depth, path = stack.pop()
         nodes += 1
+        where = f"{path}: " if path else ""
         if depth > MAX_DEPTH:
             return f"nested deeper than {MAX_DEPTH} levels: a job spec is a few levels deep"
         if nodes > MAX_NODES:
             return f"more than {MAX_NODES} values: a job spec has a few hundred"
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        stack.extend((child, depth + 1) for child in children)
+        if isinstance(value, str) and len(value) > MAX_STRING_CHARS:
+            return where + _long_text(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{where}{value}: not a number a spec can hold: write a finite number"
+        if isinstance(value, dict):
+            long_key = next((k for k in value if isinstance(k, str) and len(k) > MAX_KEY_CHARS), None)
+            if long_key is not None:
+                return where + _long_text(long_key, "a key")
+            stack.extend((child, depth + 1, f"{path}.{key}" if path else str(key)) for key, child in value.items())
+        elif isinstance(value, list):
+            stack.extend((child, depth + 1, f"{path}[{i}]") for i, child in enumerate(value))
     return None
 
 
@@ -605,7 +663,7 @@ def parse_text(text: str, source: str, fmt: Literal["auto", "json"] = "auto") ->
         raise SpecError([f"{source}: the file is empty: write a job spec (see configs/)"])
     try:
         if fmt == "json" or stripped.startswith("{"):
-            data = json.loads(text, parse_int=_bounded_json_int)
+            data = json.loads(text, parse_int=_bounded_json_int, parse_constant=_refuse_constant)
             problem = _json_shape_problem(data)
         else:
             problem, data = _yaml_shape_problem(text), None
@@ -615,6 +673,8 @@ def parse_text(text: str, source: str, fmt: Literal["auto", "json"] = "auto") ->
                 if unsafe:
                     problem = (f"{unsafe}: a spec holds text, numbers, true/false, lists and mappings only: "
                                "write the value as a string")
+                else:
+                    problem = _json_shape_problem(data)  # keys' lengths, NaN and infinities (.nan, .inf)
     except SpecError as exc:
         raise SpecError([f"{source}: {p}" for p in exc.problems]) from None
     except json.JSONDecodeError as exc:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainers.config import SpecError, batching_summary, load_spec, validate
+from trainers.config import SpecError, batching_summary, load_spec, parse_text, validate
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "configs" / "deployment-guide.json"
@@ -246,3 +246,37 @@ def test_yaml_dates_and_times_stay_the_text_written():
 def test_loader_workers_take_a_count_or_auto():
     assert validate({"data": {"num_workers": "auto"}}).data.num_workers == "auto"
     assert validate({"data": {"num_workers": 3}}).data.num_workers == 3
+
+
+@pytest.mark.parametrize("text, fmt, message", [
+    ('{"model": {"factory": "' + "a" * 200_000 + '"}}', "json",
+     'model.factory: a text of 200000 characters ("aaaa'),
+    ("model:\n  options:\n    x: " + "b" * 5000 + "\n", "auto", "line 3: a text of 5000 characters"),
+    ('{"model": {"options": {"' + "k" * 300 + '": 1}}}', "json", "model.options: a key of 300 characters"),
+    ('{"training": {"learning_rate": NaN}}', "json", "NaN: not a number a spec can hold: write a finite number"),
+    ('{"training": {"learning_rate": -Infinity}}', "json", "-Infinity: not a number a spec can hold"),
+    ("training:\n  learning_rate: .nan\n", "auto", "training.learning_rate: nan: not a number a spec can hold"),
+    ("training:\n  learning_rate: .inf\n", "auto", "training.learning_rate: inf: not a number a spec can hold"),
+])
+def test_long_texts_and_non_finite_numbers_are_refused_with_their_place(text, fmt, message):
+    """Every spec text is short (a page, a log line and each regex over them stay cheap) and every
+    number finite (a NaN stored in a record broke the JSON answers after the job existed)."""
+    with pytest.raises(SpecError) as err:
+        parse_text(text, "body", fmt)
+    assert message in err.value.problems[0], err.value.problems
+    assert err.value.problems[0].startswith("body: ")
+    assert len(err.value.problems[0]) < 400  # the refusal does not echo the whole text back
+
+
+def test_options_are_small_plain_data():
+    deep: dict = {"v": 1}
+    for _ in range(7):
+        deep = {"d": deep}
+    with pytest.raises(SpecError) as err:
+        validate({"model": {"options": deep}})
+    assert err.value.problems[0].startswith("model.options: {") and "}: nested 9 levels deep: options are at most 6 " \
+        "levels: flatten them" in err.value.problems[0]
+    with pytest.raises(SpecError) as err:
+        validate({"data": {"options": {"rows": list(range(5000))}}})
+    assert "data.options: {...}:" in err.value.problems[0] and "options hold at most 16384 bytes" in err.value.problems[0]
+    assert validate({"model": {"options": {"a": {"b": [1, 2, {"c": "x"}]}}}}).model.options["a"]["b"][2] == {"c": "x"}
