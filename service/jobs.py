@@ -20,6 +20,8 @@ record as it is, says so on the record and in the log, and is retried with back-
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
 import os
 import re
@@ -27,6 +29,7 @@ import shlex
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,10 +37,12 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from cluster.storage import StorageRoot, open_root
 from service.auth import ROLES, Principal, in_tenant_data, is_under, policy_problems
+from service.limits import (DEFAULT_ROLE_LIMITS, Footprint, RoleLimits, job_footprint, limit_problems, quota_problem,
+                            sweep_footprint)
 from service.ray_clients import dashboard_client
 from service.store import ACTIVE, TERMINAL, Record, Store, new_id
 from trainers import checkpoint as ckpt
-from trainers.config import SpecError, refs_not_imported, validate
+from trainers.config import NAME_PATTERN, SpecError, refs_not_imported, validate
 from trainers.history import read_history
 from trainers.recovery import StopFlag
 
@@ -84,6 +89,15 @@ class ServiceSettings(BaseModel):
     tenant_env: dict[str, dict[str, str]] = Field(
         default_factory=dict, description="per tenant: variables its jobs get, e.g. its own AWS keys (scoped by "
                                           "IAM to its prefix); the service's own secrets never reach a job")
+    role_limits: dict[str, RoleLimits] = Field(
+        default_factory=dict, description="per role: the most one job may ask for (workers, resources per worker, "
+                                          "loader processes, model size, steps, retries...); roles not given keep "
+                                          "the defaults (service.limits.DEFAULT_ROLE_LIMITS)")
+    cpu_quota: float = Field(64, ge=0, description="quota: CPUs a tenant's unfinished jobs and sweeps may hold, "
+                                                   "every worker at the top of its range")
+    gpu_quota: float = Field(16, ge=0, description="quota: GPUs likewise (a worker that may use GPUs counts one)")
+    tenant_cpu_quotas: dict[str, float] = Field(default_factory=dict, description="per-tenant override of cpu_quota")
+    tenant_gpu_quotas: dict[str, float] = Field(default_factory=dict, description="per-tenant override of gpu_quota")
     stop_wait_s: float = Field(120.0, gt=0, description="graceful stop: wait this long for the final checkpoint")
     reconcile_interval_s: float = Field(5.0, gt=0)
     jobs_token_file: str | None = Field(
@@ -119,10 +133,12 @@ class ServiceSettings(BaseModel):
                                                        os.path.abspath(os.path.expanduser(self.storage_root))):
             raise ValueError(f"state_dir {self.state_dir!r} is inside the storage root, where jobs write: "
                              "put it outside (e.g. ~/.etrain/service)")
-        unknown = set(self.max_sweep_trials) - set(ROLES)
-        if unknown:
-            raise ValueError(f"max_sweep_trials: unknown roles {sorted(unknown)}: use {', '.join(ROLES)}")
+        for field in ("max_sweep_trials", "role_limits"):
+            unknown = set(getattr(self, field)) - set(ROLES)
+            if unknown:
+                raise ValueError(f"{field}: unknown roles {sorted(unknown)}: use {', '.join(ROLES)}")
         self.max_sweep_trials = {**SWEEP_TRIALS, **self.max_sweep_trials}
+        self.role_limits = {**DEFAULT_ROLE_LIMITS, **self.role_limits}
         return self
 
 
@@ -143,6 +159,27 @@ def jobs_headers(settings: ServiceSettings) -> dict[str, str]:
 
 class QuotaExceeded(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A submitted spec once checked: the user's name for it, the spec to run, what it holds of the quota."""
+
+    name: str
+    run: dict
+    slots: int
+    footprint: Footprint
+
+
+def trial_specs(plan) -> list:
+    """The base job spec and one trial spec per value a sweep lists (both ends of a range): what any
+    trial may ask for is among them, field by field."""
+    from trainers.sweep import candidate_values, trial_spec_view
+
+    specs = [plan.spec]
+    for key, domain in plan.sweep.space.items():
+        specs.extend(validate(trial_spec_view(plan.base, key, v)) for v in candidate_values(domain))
+    return specs
 
 
 class Forbidden(Exception):
@@ -262,14 +299,20 @@ class JobManager:
     def tenant_root(self, tenant: str) -> StorageRoot:
         return self.root.sub("tenants", tenant)
 
+    def specs_root(self, tenant: str) -> StorageRoot:
+        """Where a tenant's checked specs are stored: beside its prefix, not in it (its keys write there),
+        and each attempt checks the digest besides."""
+        return self.root.sub("checked-specs", tenant)
+
     # ------------------------------------------------------------ submit
 
-    def check_spec(self, kind: str, data: dict, who: Principal, record_id: str) -> tuple[str, dict, int]:
-        """(the user's name, the spec to run, quota slots) for a submitted body.
+    def check_spec(self, kind: str, data: dict, who: Principal, record_id: str) -> Checked:
+        """The user's name, the spec to run, its quota slots and footprint, for a submitted body.
 
         The role's rules come first (Forbidden), on the spec's strings alone; then the spec is
-        validated without importing anything it names (SpecError lists every problem). Both check
-        the data source as given, so their messages echo it and never the server's paths; it is
+        validated without importing anything it names (SpecError lists every problem); then what it
+        asks for against the role's maxima (Forbidden), every trial of a sweep included. The checks
+        see the data source as given, so their messages echo it and never the server's paths; it is
         placed under the tenant's prefix only in the spec to run.
         """
         if not isinstance(data, dict):
@@ -279,13 +322,17 @@ class JobManager:
                                    self.settings.tenant_data_uris.get(tenant, []))
         if problems:
             raise Forbidden(problems)
-        name = str(data.get("name") or kind)
+        name = data.get("name", kind)
+        if not (isinstance(name, str) and re.fullmatch(NAME_PATTERN, name)):
+            raise SpecError([f"name: {json.dumps(name, default=str)[:80]}: use lowercase letters, digits, '.', '_' or "
+                             "'-', starting with a letter or digit, at most 63 characters"])
         run = dict(copy.deepcopy(data), name=record_id)
         run["checkpoint"] = dict(run.get("checkpoint") or {}, storage_root=troot.uri)
         if isinstance(run["checkpoint"].get("path"), str):  # an absolute path stays in the tenant's job folder
             run["checkpoint"]["path"] = run["checkpoint"]["path"].lstrip("/")
         run["labels"] = {**(run.get("labels") if isinstance(run.get("labels"), dict) else {}), "tenant": tenant}
         slots = 1
+        limits = self.settings.role_limits[who.role]
         with refs_not_imported():
             if kind == "sweep":
                 from trainers.sweep import plan_from_data
@@ -300,14 +347,20 @@ class JobManager:
                     raise QuotaExceeded(f"sweep.num_samples: this sweep runs {trials} trials, role {who.role!r} may "
                                         f"run at most {cap} per sweep: lower num_samples or the grid")
                 slots = min(plan.sweep.max_concurrent_trials, trials)
+                specs = trial_specs(plan)
+                footprint = sweep_footprint(specs, slots)
             elif "sweep" in run:
                 raise SpecError(["sweep: a job takes no sweep section: POST it to /v1/sweeps"])
             else:
-                validate(run)
+                specs = [validate(run)]
+                footprint = job_footprint(specs[0])
+        over = [p for s in specs for p in limit_problems(who.role, s, limits) if p]
+        if over:
+            raise Forbidden(list(dict.fromkeys(over)))
         section = run.get("data")
         if isinstance(section, dict) and isinstance(section.get("source"), str):
             run["data"] = dict(section, source=in_tenant_data(section["source"], troot.uri))
-        return name, run, slots
+        return Checked(name, run, slots, footprint)
 
     def quota(self, tenant: str) -> int:
         return self.settings.tenant_quotas.get(tenant, self.settings.max_active_per_tenant)
@@ -315,12 +368,21 @@ class JobManager:
     def active_slots(self, tenant: str) -> int:
         return sum(r.slots for r in self.store.all() if r.tenant == tenant and r.state in ACTIVE)
 
-    def check_quota(self, tenant: str, slots: int) -> None:
+    def held(self, tenant: str) -> Footprint:
+        active = [r for r in self.store.all() if r.tenant == tenant and r.state in ACTIVE]
+        return Footprint(cpus=sum(r.cpus for r in active), gpus=sum(r.gpus for r in active))
+
+    def check_quota(self, tenant: str, slots: int, asked: Footprint) -> None:
         active, quota = self.active_slots(tenant), self.quota(tenant)
         if active + slots > quota:
             raise QuotaExceeded(f"tenant {tenant!r} holds {active} of its quota of {quota} slots (a job takes 1, a "
                                 f"sweep its max_concurrent_trials) and this needs {slots}: wait for one to finish, "
                                 "stop one, or lower max_concurrent_trials")
+        s = self.settings
+        problem = quota_problem(tenant, self.held(tenant), asked, s.tenant_cpu_quotas.get(tenant, s.cpu_quota),
+                                s.tenant_gpu_quotas.get(tenant, s.gpu_quota))
+        if problem:
+            raise QuotaExceeded(problem)
 
     def create(self, kind: str, who: Principal, data: dict, idempotency_key: str | None,
                body_sha256: str) -> tuple[Record, bool]:
@@ -335,21 +397,26 @@ class JobManager:
         # Outside the lock: checking a spec is the slow part of a submit, and other tenants' requests
         # need not wait for it. The quota, the key and the record are taken together under it.
         record_id = new_id(kind)
-        name, run, slots = self.check_spec(kind, data, who, record_id)
+        checked = self.check_spec(kind, data, who, record_id)
+        name, run, slots = checked.name, checked.run, checked.slots
         with self._lock:
-            self.check_quota(tenant, slots)
+            self.check_quota(tenant, slots, checked.footprint)
             if idempotency_key:
                 bound = self.store.claim_key(tenant, idempotency_key, record_id, body_sha256)
                 if bound["id"] != record_id:
                     return self._replay(bound, body_sha256), False
             troot = self.tenant_root(tenant)
-            troot.write_json(run, "specs", f"{record_id}.json")
+            spec_bytes = json.dumps(run, indent=2, sort_keys=True).encode()
+            specs = self.specs_root(tenant)
+            specs.write_bytes(spec_bytes, f"{record_id}.json")
             if kind == "job":  # goodput counts from here, queueing included
                 troot.write_json({"submitted_at": time.time()}, record_id, "job.json")
             now = time.time()
             record = Record(id=record_id, kind=kind, tenant=tenant, name=name, spec=run,
-                            spec_uri=troot.uri_of("specs", f"{record_id}.json"),
+                            spec_uri=specs.uri_of(f"{record_id}.json"),
+                            spec_sha256=hashlib.sha256(spec_bytes).hexdigest(),
                             storage=troot.uri_of(self.run_folder_for(kind, record_id)), slots=slots,
+                            cpus=checked.footprint.cpus, gpus=checked.footprint.gpus,
                             created_at=now, updated_at=now)
             record.move("PENDING", "submitted")
             self.store.save(record)
@@ -373,6 +440,8 @@ class JobManager:
 
     def entrypoint(self, record: Record, resume: bool) -> str:
         args = [self.settings.python, "-m", ENTRY_MODULES[record.kind], record.spec_uri]
+        if record.spec_sha256:
+            args += ["--spec-sha256", record.spec_sha256]
         if record.kind == "sweep" and resume:
             args.append("--resume")
         if record.kind == "job":  # the log keeps Ray's lines too: the page tells them apart and filters
@@ -468,7 +537,8 @@ class JobManager:
         from trainers.config import JobSpec
         from trainers.home import job_home
 
-        return job_home(JobSpec.model_validate(record.spec)).key
+        with refs_not_imported():  # the service never imports what a spec names (only its job may)
+            return job_home(JobSpec.model_validate(record.spec)).key
 
     @staticmethod
     def _ckpt_folder(record: Record) -> str:
@@ -552,12 +622,19 @@ class JobManager:
                                     "asking again at the next reconcile pass")
             return False
 
-    def resume(self, record: Record) -> Record:
+    def resume(self, record: Record, who: Principal) -> Record:
+        """Start the next attempt of a stopped or failed record, under today's rules for the one who
+        asks: an allow-list or a role changed since the submit applies to the resume too."""
         with self._lock:
             record = self.store.get(record.id)
             if record.state not in ("STOPPED", "FAILED"):
                 raise Conflict(f"{record.kind} {record.id} is {record.state}: only a STOPPED or FAILED one resumes")
-            self.check_quota(record.tenant, record.slots)
+            problems = policy_problems(who.role, record.spec, self.settings.allowed_factories,
+                                       self.tenant_root(record.tenant).uri,
+                                       self.settings.tenant_data_uris.get(record.tenant, []))
+            if problems:
+                raise Forbidden(problems)
+            self.check_quota(record.tenant, record.slots, Footprint(record.cpus, record.gpus))
             return self.submit(record, reason="resumed")
 
     # ------------------------------------------------------------ reconcile
@@ -684,7 +761,7 @@ class JobManager:
 
     def public(self, record: Record) -> dict[str, Any]:
         """A record as the API shows it: the spec as given (no server paths), locations storage-relative."""
-        data = record.model_dump(mode="json", exclude={"slots"})
+        data = record.model_dump(mode="json", exclude={"slots", "cpus", "gpus", "spec_sha256"})
         (data["spec"].get("checkpoint") or {}).pop("storage_root", None)
         last = (record.summary or {})
         data["progress"] = {"step": last.get("final_step"), "target_step": last.get("target_step")}

@@ -48,9 +48,13 @@ class Record(BaseModel):
     history: list[Transition] = []
     spec: dict[str, Any]
     spec_uri: str
+    spec_sha256: str | None = Field(None, description="digest of the stored spec's bytes: every attempt checks it "
+                                                     "before it parses the spec")
     storage: str  # the job's folder (or the sweep's) in storage
     slots: int = Field(1, description="how much of the tenant's quota it holds while unfinished: a sweep's "
                                       "concurrent trials")
+    cpus: float = Field(0.0, description="CPUs it holds of the tenant's quota while unfinished (service.limits)")
+    gpus: float = Field(0.0, description="GPUs likewise")
     submissions: list[str] = Field(default_factory=list, description="Ray Jobs submission id per attempt")
     created_at: float
     updated_at: float

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainers.config import SpecError, load_spec
+from trainers.config import SpecError, add_digest_arg, load_spec
 from trainers.worker_log import LOG_LEVEL_ENV
 
 PROMETHEUS_DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's name for it
@@ -43,11 +43,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", choices=["warning", "info", "debug"], default="info",
                    help="our workers' lines: warning (problems only), info (progress, the default) or "
                         "debug (ours in detail, and Ray's own log lines as with --verbose)")
+    add_digest_arg(p)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     try:
-        spec = load_spec(args.spec, args.overrides)
+        spec = load_spec(args.spec, args.overrides, args.spec_sha256)
     except SpecError as exc:
         print(exc.render(f"job spec {args.spec}"), file=sys.stderr)
         return 2
@@ -89,6 +90,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     spec = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
     print(f"[etrain] demo: training {spec.name} on a local Ray (2 gloo DDP workers, local storage)")
     return cmd_run(argparse.Namespace(spec=str(spec), overrides=args.overrides, stop_at_step=None, json=False,
+                                      spec_sha256=None,
                                       verbose=args.verbose, log_level="info"))
 
 

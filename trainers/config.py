@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import importlib
 import json
 import math
@@ -732,16 +733,21 @@ def validate(data: dict) -> JobSpec:
     return spec
 
 
-def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
-    """Load, override and validate a spec file; the job name defaults to the file's stem."""
-    data = read_spec_file(path)
+def load_spec(path: str | Path, overrides: list[str] | None = None, sha256: str | None = None) -> JobSpec:
+    """Load, override and validate a spec file; the job name defaults to the file's stem.
+    With ``sha256``, the file's bytes must have that digest (read_spec_file)."""
+    data = read_spec_file(path, sha256)
     if "name" not in data:
         data["name"] = default_name(Path(str(path)).stem)
     return validate(apply_overrides(data, overrides or []))
 
 
-def read_spec_file(path: str | Path) -> dict:
-    """Parse a spec file: a local path, or a URI in storage (s3://bucket/key) as the service writes."""
+def read_spec_file(path: str | Path, sha256: str | None = None) -> dict:
+    """Parse a spec file: a local path, or a URI in storage (s3://bucket/key) as the service writes.
+
+    ``sha256``: the digest of the bytes the service checked. A stored spec lies where others may
+    write (a tenant's keys reach its prefix); bytes that differ are refused before they are parsed.
+    """
     where = str(path)
     try:
         if "://" in where:
@@ -757,7 +763,17 @@ def read_spec_file(path: str | Path) -> dict:
             raise SpecError([f"{where}: not text: a job spec is JSON or YAML"]) from None
         reason = getattr(exc, "strerror", None) or str(exc)
         raise SpecError([f"{where}: cannot read: {reason}: check the path"]) from None
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+        raise SpecError([f"{where}: its SHA-256 is not {sha256}, the digest of the spec that was checked: it was "
+                         "changed after it was checked, so it is not run; submit the spec again"])
     return parse_text(text, where)
+
+
+def add_digest_arg(parser) -> None:
+    """``--spec-sha256``: what the service passes with the spec it checked (both entry points)."""
+    parser.add_argument("--spec-sha256", metavar="HEX", default=None, type=str.lower,
+                        help="run the spec only if its bytes have this SHA-256 (the service passes the digest of "
+                             "the spec it checked, so a spec changed in storage after the check is not run)")
 
 
 def default_name(stem: str) -> str:

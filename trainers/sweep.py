@@ -34,8 +34,8 @@ import yaml
 from pydantic import Field, ValidationError
 
 from cluster.storage import StorageRoot
-from trainers.config import (JobSpec, SpecError, Strict, WorkerRange, apply_overrides, default_name, format_errors,
-                             key_problem, read_spec_file, validate)
+from trainers.config import (JobSpec, SpecError, Strict, WorkerRange, add_digest_arg, apply_overrides, default_name,
+                             format_errors, key_problem, read_spec_file, validate)
 
 DOMAINS = {
     "choice": "pick one of the listed values",
@@ -229,9 +229,10 @@ def space_problems(sweep: SweepConfig, base: dict) -> list[str]:
     return problems
 
 
-def load_sweep(path: str | Path, overrides: list[str] | None = None) -> SweepPlan:
-    """Read a sweep file (and its base), apply ``--set`` overrides to the job part, check it all."""
-    return plan_from_data(read_spec_file(path), str(path), overrides)
+def load_sweep(path: str | Path, overrides: list[str] | None = None, sha256: str | None = None) -> SweepPlan:
+    """Read a sweep file (and its base), apply ``--set`` overrides to the job part, check it all.
+    With ``sha256``, the file's bytes must have that digest (trainers.config.read_spec_file)."""
+    return plan_from_data(read_spec_file(path, sha256), str(path), overrides)
 
 
 def plan_from_data(data: dict, path: str, overrides: list[str] | None = None) -> SweepPlan:
@@ -657,11 +658,12 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the base job spec (repeatable; values read as YAML)")
     p.add_argument("--json", action="store_true", help="print the final report as JSON only")
+    add_digest_arg(p)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     try:
-        plan = load_sweep(args.spec, args.overrides)
+        plan = load_sweep(args.spec, args.overrides, args.spec_sha256)
         say = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
         code, report = run_sweep(plan, resume=args.resume, say=say)
     except SpecError as exc:

@@ -222,7 +222,7 @@ def test_answers_carry_no_server_paths_and_healthz_says_only_ok(service, alices_
                                                                                      "root").json())]
     for text in texts:
         assert str(service.root) not in text and str(service.state) not in text
-    assert done["spec_uri"] == f"specs/{done['id']}.json" and done["storage"] == done["id"]
+    assert done["spec_uri"] == f"checked-specs/team-a/{done['id']}.json" and done["storage"] == done["id"]
     checkpoints = api(service, "GET", f"/v1/jobs/{done['id']}/checkpoints").json()
     assert checkpoints[-1]["uri"].startswith(f"{done['id']}/checkpoints/")
 

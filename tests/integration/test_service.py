@@ -145,13 +145,13 @@ def test_submit_run_stop_resume_over_http(service, quick):
 ])
 def test_invalid_specs_get_422_with_field_paths_and_nothing_is_stored(service, body, content_type, expected):
     before = api(service, "GET", "/v1/jobs", "root").json()["total"]
-    specs_before = sorted((service.root / "tenants").glob("*/specs/*.json"))
+    specs_before = sorted((service.root / "checked-specs").glob("*/*.json"))
     data = body if isinstance(body, str) else json.dumps(body)
     r = api(service, "POST", "/v1/jobs", data=data.encode(), headers={"Content-Type": content_type})
     assert r.status_code == 422, r.text
     assert any(expected in p for p in r.json()["problems"]), r.json()
     assert api(service, "GET", "/v1/jobs", "root").json()["total"] == before
-    assert sorted((service.root / "tenants").glob("*/specs/*.json")) == specs_before  # no spec written
+    assert sorted((service.root / "checked-specs").glob("*/*.json")) == specs_before  # no spec written
 
 
 def test_invalid_sweep_space_names_the_path(service):

@@ -318,8 +318,8 @@ def test_an_absolute_checkpoint_path_over_http_stays_in_the_tenants_folder(tmp_p
     mgr = manager(tmp_path, FakeClient())
     from service.auth import Principal
 
-    _, run, _ = mgr.check_spec("job", {"checkpoint": {"path": "/srv/service/model_{step}.pt"}},
-                               Principal("team-a", "user"), "j-1")
+    run = mgr.check_spec("job", {"checkpoint": {"path": "/srv/service/model_{step}.pt"}},
+                         Principal("team-a", "user"), "j-1").run
     home = job_home(validate(run))
     assert home.uri == mgr.tenant_root("team-a").uri_of("j-1")
     assert home.run_path.startswith(mgr.tenant_root("team-a").path("j-1") + "/")

@@ -224,7 +224,7 @@ def test_refusals_echo_the_spec_as_given_never_the_servers_paths(tmp_path, spec,
 
 def test_a_relative_source_runs_from_the_tenants_prefix(tmp_path):
     mgr = manager(tmp_path)
-    _, run, _ = mgr.check_spec("job", {"data": {"source": "data/x.parquet"}}, ALICE, "j-000000000000")
+    run = mgr.check_spec("job", {"data": {"source": "data/x.parquet"}}, ALICE, "j-000000000000").run
     assert run["data"]["source"] == str(tmp_path / "root" / "tenants" / "alice" / "data" / "x.parquet")
 
 
@@ -234,9 +234,10 @@ def test_a_grid_search_over_choices_counts_every_combination_against_the_trial_c
     with pytest.raises(QuotaExceeded, match="this sweep runs 60 trials, role 'user' may run at most 50 per sweep"):
         manager(tmp_path, max_sweep_trials={"user": 50}).check_spec(
             "sweep", {"sweep": {"search": "grid", "num_samples": 2, "space": space}}, ALICE, "s-000000000000")
-    _, _, slots = mgr.check_spec("sweep", {"sweep": {"search": "grid", "max_concurrent_trials": 4, "space": space}},
-                                 ALICE, "s-000000000000")
-    assert slots == 4
+    checked = mgr.check_spec("sweep", {"sweep": {"search": "grid", "max_concurrent_trials": 4, "space": space}},
+                             ALICE, "s-000000000000")
+    assert checked.slots == 4
+    assert (checked.footprint.cpus, checked.footprint.gpus) == (8, 8)  # 4 trials at once, 2 workers each
 
 
 def test_a_submit_checks_its_spec_without_holding_the_services_lock(tmp_path):
