@@ -280,3 +280,28 @@ def test_options_are_small_plain_data():
         validate({"data": {"options": {"rows": list(range(5000))}}})
     assert "data.options: {...}:" in err.value.problems[0] and "options hold at most 16384 bytes" in err.value.problems[0]
     assert validate({"model": {"options": {"a": {"b": [1, 2, {"c": "x"}]}}}}).model.options["a"]["b"][2] == {"c": "x"}
+
+
+def test_a_spec_changed_after_it_was_checked_is_not_run(tmp_path):
+    """The service passes the digest of the spec it checked; the attempt reads the stored bytes, and
+    bytes that differ (a tenant's keys write near them) are refused before they are parsed."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from trainers.sweep import load_sweep
+
+    spec = tmp_path / "j-1.json"
+    spec.write_text('{"name": "j-1", "training": {"max_steps": 3}}')
+    digest = hashlib.sha256(spec.read_bytes()).hexdigest()
+    assert load_spec(spec, sha256=digest).training.max_steps == 3
+    spec.write_text('{"name": "j-1", "training": {"max_steps": 4}}')
+    with pytest.raises(SpecError) as err:
+        load_spec(spec, sha256=digest)
+    assert err.value.problems == [f"{spec}: its SHA-256 is not {digest}, the digest of the spec that was checked: it "
+                                  "was changed after it was checked, so it is not run; submit the spec again"]
+    with pytest.raises(SpecError, match="it was changed after it was checked"):
+        load_sweep(spec, sha256=digest)
+    run = subprocess.run([sys.executable, "-m", "trainers.train", str(spec), "--spec-sha256", digest.upper()],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 2 and "it was changed after it was checked, so it is not run" in run.stderr, run.stderr
