@@ -532,13 +532,13 @@ class JobManager:
         return [dict(c, uri=c["path"][len(troot.base) + 1:]) for c in ckpt.list_checkpoints(troot.fs, run_path)]
 
     @staticmethod
-    def job_key(record: Record) -> str:
-        """The job's name in Ray's KV, as its driver derives it (trainers.home): folder, not bare name."""
+    def job_home(record: Record):
+        """The job's folder and key as its driver derives them (trainers.home)."""
         from trainers.config import JobSpec
         from trainers.home import job_home
 
         with refs_not_imported():  # the service never imports what a spec names (only its job may)
-            return job_home(JobSpec.model_validate(record.spec)).key
+            return job_home(JobSpec.model_validate(record.spec))
 
     @staticmethod
     def _ckpt_folder(record: Record) -> str:
@@ -589,8 +589,9 @@ class JobManager:
                 raise Conflict(f"{record.kind} {record.id} is already {record.state}: nothing to stop")
             if record.state == "STOPPING":
                 return record
-            if record.kind == "job":
-                StopFlag(self.job_key(record)).request()
+            if record.kind == "job":  # in storage, which the jobs reach wherever their Ray is
+                home = self.job_home(record)
+                StopFlag(home.key, (home.root, home.job)).request_in_storage()
             record.move("STOPPING", "stop requested")
             self.store.save(record)
         sid = record.submissions[-1] if record.submissions else None

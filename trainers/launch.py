@@ -285,7 +285,7 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
             return EXIT_OK, write_summary(spec, home, metrics, checkpoint_uri, None, started, interruptions=[])
     started_ray = ensure_ray(spec.distributed.max_workers)
     run_id = uuid.uuid4().hex[:12]
-    stop_flag = StopFlag(home.key)
+    stop_flag = StopFlag(home.key, (home.root, home.job))
     stop_flag.clear()  # a stop asked of an earlier run must not stop this one
     restore_signals = stop_on_signals(stop_flag, say)
     try:

@@ -158,25 +158,52 @@ class Heartbeats:
         kv_put(self.key, json.dumps(asdict(Heartbeat(self.run_id, step, now, world_size, cause, self.attempt))))
 
 
-class StopFlag:
-    """A request to stop a job gracefully (final checkpoint, then exit), kept in Ray's GCS KV.
+STOP_REQUEST_FILE = "stop-request.json"
+STOP_FILE_POLL_S = 2.0
 
-    The service's stop route and `etrain run`'s Ctrl-C set it; rank 0 reads it at log steps
-    and the decision rides on the all-reduce those steps already do, so every rank stops at
-    the same step and checking costs no extra collective. The launcher clears it at start,
-    so a resumed job runs on.
+
+class StopFlag:
+    """A request to stop a job gracefully (final checkpoint, then exit): in Ray's GCS KV, and as a
+    file in the job's folder in storage.
+
+    `etrain run`'s Ctrl-C sets the KV key (the driver and the job share a Ray). The service writes
+    the file: its jobs may run on a cluster apart from the service's own Ray, whose KV the service
+    cannot reach, while both reach the storage root. Rank 0 reads both off the step path (the file
+    at most every STOP_FILE_POLL_S) and the decision rides on the all-reduce the log steps already
+    do, so every rank stops at the same step and checking costs no extra collective. The launcher
+    clears both at start, so a resumed job runs on.
     """
 
-    def __init__(self, job_key: str):
+    def __init__(self, job_key: str, folder: tuple | None = None):
         """``job_key``: the job's name in Ray's KV (trainers.home.JobHome.key): two jobs of one name
-        in two storage roots have two keys, so one's stop never stops or clears the other's."""
+        in two storage roots have two keys, so one's stop never stops or clears the other's.
+        ``folder``: (StorageRoot, the job's folder under it) for the file; None: the KV key only."""
         self.key = f"{job_key}/stop".encode()
+        self.folder = folder
+        self._file_checked_at = float("-inf")
 
     def request(self) -> None:
         kv_put(self.key, str(time.time()).encode())
 
-    def requested(self) -> bool:
-        return kv_exists(self.key)
+    def request_in_storage(self) -> None:
+        root, job = self.folder
+        root.write_json({"requested_at": time.time()}, job, STOP_REQUEST_FILE)
+
+    def requested(self, now: float | None = None) -> bool:
+        if kv_exists(self.key):
+            return True
+        now = time.monotonic() if now is None else now
+        if self.folder is None or now - self._file_checked_at < STOP_FILE_POLL_S:
+            return False
+        self._file_checked_at = now
+        root, job = self.folder
+        return root.exists(job, STOP_REQUEST_FILE)
 
     def clear(self) -> None:
         kv_del(self.key)
+        if self.folder is not None:
+            root, job = self.folder
+            try:
+                root.fs.delete_file(root.path(job, STOP_REQUEST_FILE))
+            except FileNotFoundError:
+                pass  # none asked: nothing to clear

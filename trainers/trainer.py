@@ -353,7 +353,8 @@ class Trainer:
         beats = Heartbeats(self.job_key, self.config.get("run_id") or "", HEARTBEAT_INTERVAL_S,
                            self.config.get("attempt_started_at", 0.0)) if rank == 0 else None
         self.pending_beat = beats.last() if beats else None  # the attempt before this one died at its last beat
-        self.pulse = Pulse(beats, StopFlag(self.job_key), self.world).start() if rank == 0 else None
+        self.pulse = Pulse(beats, StopFlag(self.job_key, (self.root, self.job)), self.world).start() if rank == 0 \
+            else None
         kinds = [(ray.get_runtime_context().get_node_id(), own_node_kind())]
         if self.world > 1:  # once per attempt: which nodes the group runs on, for its cost
             gathered = [None] * self.world

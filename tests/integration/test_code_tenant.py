@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -283,6 +284,30 @@ def test_a_code_tenants_job_reaches_nothing_of_the_service(split):
     assert after.status_code == 200 and after.json()["tenant"] == "team-b"
     assert api(svc, "GET", f"/v1/jobs/{vid}", "mallory").status_code == 404
     assert {j["tenant"] for j in api(svc, "GET", "/v1/jobs", "mallory").json()["items"]} == {"crew-m"}  # no admin
+
+
+def test_a_graceful_stop_reaches_a_job_on_the_jobs_cluster_without_a_sigterm(split):
+    """The service asks for the stop in the job's folder in storage, which the jobs cluster reads; the
+    service's own Ray KV (where it asked before) is not the jobs cluster's. Ray's stop (SIGTERM) would
+    come only after --stop-wait-s (300 s): the job must stop by itself, at a checkpoint, long before."""
+    svc = split.service("--dashboard-url", split.jobs_url, "--stop-wait-s", "300")
+    long = api(svc, "POST", "/v1/jobs", "mallory", json={
+        "name": "long", "training": {"batch_size": 32, "max_steps": 100000, "log_interval_steps": 5},
+        "distributed": {"num_workers": 1, "use_gpu": False}, "checkpoint": {"interval": 100000},
+        "model": {"factory": "slowpkg:busy_model", "options": {"compute_s": 0.05}},
+        "data": {"factory": "userpkg:make_data"}})
+    assert long.status_code == 201, long.text
+    job_id = long.json()["id"]
+    wait_for(lambda: (api(svc, "GET", f"/v1/jobs/{job_id}/metrics", "mallory").json()["rows"] or [{}])[-1].get("step"),
+             240, "the job to train")
+    asked_at = time.monotonic()
+    assert api(svc, "POST", f"/v1/jobs/{job_id}/stop", "mallory").status_code == 202
+    done = wait_done(svc, job_id, "mallory")
+    took_s = time.monotonic() - asked_at
+    assert done["state"] == "STOPPED", (done, api(svc, "GET", f"/v1/jobs/{job_id}/logs", "mallory").text[-3000:])
+    assert done["summary"]["status"] == "stopped" and done["summary"]["final_step"] < 100000, done["summary"]
+    assert took_s < 120, f"the stop took {took_s:.0f} s: it did not reach the job, Ray's SIGTERM would have"
+    svc.stop_serve()
 
 
 def test_the_service_refuses_code_tenants_on_its_own_cluster(split):

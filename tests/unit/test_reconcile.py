@@ -239,7 +239,6 @@ def test_a_reconciler_that_meets_a_connection_error_at_start_keeps_running(tmp_p
 
 
 def test_a_failed_ray_stop_is_retried_until_the_record_leaves_stopping(tmp_path, monkeypatch):
-    monkeypatch.setattr("trainers.recovery.StopFlag.request", lambda self: None)  # Ray's KV: not here
     client = FakeClient()
     client.errors["stop_job"] = [RuntimeError("Request failed with status code 503: busy."),
                                  ConnectionError("refused")]

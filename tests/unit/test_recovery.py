@@ -224,3 +224,25 @@ def test_a_beat_carries_its_attempt(monkeypatch):
     Heartbeats("root/job", "run-1", attempt=90.0).beat(11, 2, force=True)
     assert json.loads(kv[b"root/job/heartbeat"])["attempt"] == 90.0
     assert Heartbeats("root/job", "run-1", attempt=101.0).last().attempt == 90.0
+
+
+def test_a_stop_asked_in_storage_reaches_a_job_whose_ray_the_asker_cannot_reach(tmp_path, monkeypatch):
+    """The service's jobs may run on a cluster apart from its own Ray: it asks for a stop by a file in
+    the job's folder, which rank 0 reads (at most every STOP_FILE_POLL_S) beside Ray's KV."""
+    from cluster.storage import open_root
+    from trainers import recovery
+    from trainers.recovery import STOP_FILE_POLL_S, StopFlag
+
+    kv: dict[bytes, bytes] = {}  # the job's own Ray: the asker never writes here
+    monkeypatch.setattr(recovery, "kv_exists", kv.__contains__)
+    monkeypatch.setattr(recovery, "kv_del", lambda key: kv.pop(key, None))
+    root = open_root(str(tmp_path))
+    asker, job = StopFlag("etrain/j-1-x", (root, "j-1")), StopFlag("etrain/j-1-x", (root, "j-1"))
+    job.clear()  # at start, nothing to clear
+    assert not job.requested(now=100.0)
+    asker.request_in_storage()
+    assert not job.requested(now=100.0 + STOP_FILE_POLL_S / 2)  # storage is read at most every poll interval
+    assert job.requested(now=100.0 + STOP_FILE_POLL_S)
+    job.clear()  # the launcher's, at the next attempt: a resumed job runs on
+    assert not (tmp_path / "j-1" / recovery.STOP_REQUEST_FILE).exists()
+    assert not StopFlag("etrain/j-1-x", (root, "j-1")).requested(now=200.0)
