@@ -16,12 +16,14 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
 
+from service.front_door import downsample
+from service.http_limits import HttpLimits
 from trainers.console import strip_ansi
 
 # Script and styles only from the service itself, data only from it, forms only to it, no framing.
@@ -42,7 +44,13 @@ RAY_DRIVER_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(?P<level>DE
 GLOG = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?P<level>[DIWEF]) \d+ \d+\]")
 GLOG_LEVELS = {"D": "debug", "I": "info", "W": "warning", "E": "error", "F": "error"}
 ERROR_WORDS = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b|^Traceback \(most recent call last\)|^\w[\w.]*(Error|Exception): ")
-WARNING_WORDS = re.compile(r"\bWARN(ING)?\b|\w+Warning: ")
+# Every pattern here runs on a tenant's log lines, so each must stay linear in a line's length:
+# none may start a search whose scan backtracks over a run it could start in again (a bare
+# ``\w+Warning`` retried the whole run of word characters from each of its starts).
+WARNING_WORDS = re.compile(r"\bWARN(ING)?\b|(?<=\w)Warning: ")
+EXCEPTION_END = re.compile(r"^\w[\w.]*(Error|Exception|Exit|Interrupt)\b")
+HTTP_METHODS = ("get", "post", "put", "patch", "delete")
+MAX_POINTS, JOBS_PAGE_ROWS = HttpLimits().max_metrics_points, HttpLimits().jobs_page_rows
 
 _env = Environment(loader=PackageLoader("service", "templates"), autoescape=True, undefined=StrictUndefined)
 
@@ -193,7 +201,7 @@ def log_lines(text: str) -> list[dict]:
             level = "warning"
         else:
             level = "info"
-        if in_traceback and re.match(r"^\w[\w.]*(Error|Exception|Exit|Interrupt)\b", stripped):
+        if in_traceback and EXCEPTION_END.match(stripped):
             in_traceback = False
         out.append({"source": source, "level": "error" if level == "critical" else level, "text": line})
     return out
@@ -202,20 +210,26 @@ def log_lines(text: str) -> list[dict]:
 # ---------------------------------------------------------------- the jobs list
 
 
-def jobs_page(tenant: str, rows: Sequence[dict], state: str | None = None, now: float | None = None) -> str:
-    """rows: {id, name, kind, state, progress (progress_of), created_at, updated_at}."""
-    return render("jobs.html", title=f"Jobs of {tenant}", state=state, states=STATES,
-                  table=jobs_table(rows, state, now))
+def jobs_page(tenant: str, rows: Sequence[dict], state: str | None = None, now: float | None = None, page: int = 1,
+              page_rows: int = JOBS_PAGE_ROWS, progress: Callable[[dict], dict] | None = None) -> str:
+    """The list around one page of its table (``jobs_table``, which the page's script refreshes)."""
+    return render("jobs.html", title=f"Jobs of {tenant}", state=state, page=page,
+                  table=jobs_table(rows, state, now, page, page_rows, progress))
 
 
-def jobs_table(rows: Sequence[dict], state: str | None = None, now: float | None = None) -> str:
+def jobs_table(rows: Sequence[dict], state: str | None = None, now: float | None = None, page: int = 1,
+               page_rows: int = JOBS_PAGE_ROWS, progress: Callable[[dict], dict] | None = None) -> str:
+    """rows: {id, name, kind, state, created_at, updated_at, and progress (progress_of) or ``progress``
+    to read it}, newest first. Counts cover every row; only one page is shown, and only its
+    rows' progress is read."""
     now = time.time() if now is None else now
     counts = {s: sum(1 for r in rows if r.get("state") == s) for s in STATES}
+    matching = [r for r in rows if not state or r.get("state") == state]
+    pages = max(1, math.ceil(len(matching) / page_rows))
+    page = min(page, pages)
     shown = []
-    for r in rows:
-        if state and r.get("state") != state:
-            continue
-        p = r.get("progress") or {}
+    for r in matching[(page - 1) * page_rows:page * page_rows]:
+        p = (progress(r) if progress else r.get("progress")) or {}
         step, target = number(p.get("step")), number(p.get("target_step"))
         created = number(r.get("created_at"))
         shown.append({"id": r["id"], "name": r["name"], "kind": r["kind"], "state": r["state"],
@@ -225,7 +239,8 @@ def jobs_table(rows: Sequence[dict], state: str | None = None, now: float | None
                       "goodput": percent(p.get("goodput")), "cost": usd(p.get("cost_usd")),
                       "age": duration(now - created) if created is not None else "-",
                       "updated": fmt_time(r.get("updated_at"))})
-    return render("jobs_table.html", rows=shown, state=state, states=STATES, counts=counts, total=len(rows))
+    return render("jobs_table.html", rows=shown, state=state, states=STATES, counts=counts, total=len(rows),
+                  page=page, pages=pages, state_query=f"state={state}&" if state else "")
 
 
 # ---------------------------------------------------------------- one job
@@ -250,8 +265,9 @@ def chart_data(rows: Sequence[Any], interruptions: Sequence[Any]) -> dict:
 
 
 def job_view(record: dict, rows: Sequence[Any], interruptions: Sequence[Any], checkpoints: Sequence[Any],
-             log_text: str) -> dict:
-    """What the page shows, once, for both the page and its data endpoint."""
+             log_text: str, max_points: int = MAX_POINTS) -> dict:
+    """What the page shows, once, for both the page and its data endpoint: progress from every
+    row, the charts from at most ``max_points`` of them."""
     interruptions = [i for i in interruptions if isinstance(i, dict)]
     p = progress_of(record, rows, interruptions)
     step, target = p["step"], p["target_step"]
@@ -275,7 +291,8 @@ def job_view(record: dict, rows: Sequence[Any], interruptions: Sequence[Any], ch
     lines = log_lines(log_text)
     return {"id": record["id"], "name": record["name"], "state": record["state"],
             "active": record["state"] in ACTIVE_STATES, "summary": summary, "interruptions": shown_interruptions,
-            "checkpoints": shown_checkpoints, "log": lines, "chart": chart_data(rows, interruptions)}
+            "checkpoints": shown_checkpoints, "log": lines,
+            "chart": chart_data(downsample(valid_rows(rows), max_points), interruptions)}
 
 
 def size(v: Any) -> str:
@@ -293,15 +310,33 @@ PARTS = ("summary", "interruptions", "checkpoints", "log")
 
 
 def job_page(record: dict, rows: Sequence[Any], interruptions: Sequence[Any], checkpoints: Sequence[Any],
-             log_text: str) -> str:
-    view = job_view(record, rows, interruptions, checkpoints, log_text)
+             log_text: str, max_points: int = MAX_POINTS) -> str:
+    view = job_view(record, rows, interruptions, checkpoints, log_text, max_points)
     return render("job.html", title=f"{record['name']} ({record['id']})", view=view,
                   parts={part: render("job_parts.html", part=part, view=view) for part in PARTS})
 
 
 def job_data(record: dict, rows: Sequence[Any], interruptions: Sequence[Any], checkpoints: Sequence[Any],
-             log_text: str) -> dict:
+             log_text: str, max_points: int = MAX_POINTS) -> dict:
     """The data endpoint's answer: chart series, and the page's parts as escaped HTML."""
-    view = job_view(record, rows, interruptions, checkpoints, log_text)
+    view = job_view(record, rows, interruptions, checkpoints, log_text, max_points)
     return {"id": view["id"], "state": view["state"], "active": view["active"], "chart": view["chart"],
             "html": {part: render("job_parts.html", part=part, view=view) for part in PARTS}}
+
+
+# ---------------------------------------------------------------- the API's docs
+
+
+def docs_page(openapi: dict) -> str:
+    """The API's routes from its OpenAPI schema, as a page with no script at all (FastAPI's own
+    docs pages load theirs from a CDN, on the service's origin)."""
+    routes = []
+    for path, item in sorted((openapi.get("paths") or {}).items()):
+        for method in HTTP_METHODS:
+            op = item.get(method)
+            if isinstance(op, dict):
+                routes.append({"method": method.upper(), "path": path, "summary": op.get("summary") or "",
+                               "tags": ", ".join(op.get("tags") or []), "id": op.get("operationId") or ""})
+    info = openapi.get("info") or {}
+    return render("docs.html", title=f"{info.get('title', 'API')} {info.get('version', '')}: HTTP API",
+                  description=info.get("description") or "", routes=routes)

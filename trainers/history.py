@@ -10,6 +10,7 @@ interruption appear twice; readers keep the row written last.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from cluster.storage import StorageRoot
@@ -68,6 +69,39 @@ def read_history(root: StorageRoot, job: str) -> list[dict]:
                 if row and (row["step"] not in by_step or row["time"] >= by_step[row["step"]]["time"]):
                     by_step[row["step"]] = row
     return [by_step[s] for s in sorted(by_step)]
+
+
+FILE_NAME = re.compile(r"^(\d+)-(\d+)-\d+\.jsonl$")  # <first step>-<last step>-<ms>.jsonl, as ``write`` names it
+TAIL_BYTES = 256 * 1024  # of one file, enough for hundreds of rows at its end
+
+
+def read_history_tail(root: StorageRoot, job: str, rows: int) -> list[dict]:
+    """The last ``rows`` recorded steps, as ``read_history`` would end, at the cost of a few files'
+    ends: files are read newest steps first (by the last step in their name) until no file left
+    can hold a step among those, each only its last ``TAIL_BYTES`` (a file's rows go up in step).
+    A file not named as ``write`` names them is not read (the job writes this folder)."""
+    import pyarrow.fs as pafs
+
+    if not root.exists(job, HISTORY_DIR):
+        return []
+    named = []
+    for info in root.fs.get_file_info(pafs.FileSelector(root.path(job, HISTORY_DIR))):
+        m = FILE_NAME.match(info.base_name)
+        if m and info.type == pafs.FileType.File:
+            named.append((int(m[2]), info))
+    by_step: dict[int, dict] = {}
+    for last_step, info in sorted(named, key=lambda n: (-n[0], n[1].path)):
+        if len(by_step) >= rows and last_step < sorted(by_step)[-rows]:
+            break
+        with root.fs.open_input_file(info.path) as f:
+            start = max(0, info.size - TAIL_BYTES)
+            f.seek(start)
+            lines = f.read().decode(errors="replace").splitlines()
+        for line in lines[1:] if start else lines:
+            row = _row(line)
+            if row and (row["step"] not in by_step or row["time"] >= by_step[row["step"]]["time"]):
+                by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)[-rows:]] if rows > 0 else []
 
 
 def _row(line: str) -> dict | None:
