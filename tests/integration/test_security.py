@@ -163,6 +163,81 @@ def test_a_user_tenant_cannot_run_a_command_and_nothing_runs(service):
     assert api(service, "GET", "/v1/sweeps", "root").json()["total"] == sweeps_before
 
 
+def test_no_sweep_value_reaches_tune_as_code_or_as_more_trials(service):
+    """Ray Tune's variant generator eval()s a one-key {"eval": ...} mapping and expands a
+    {"grid_search": [...]} one, at any depth of a sampled value: both are refused, naming the value's
+    place, and nothing runs or is stored."""
+    marker = service.work / "tune-eval-marker"
+    sweeps_before = api(service, "GET", "/v1/sweeps", "root").json()["total"]
+    evil = {"eval": f"open({str(marker)!r}, 'w').write('pwned')"}
+    for value, where, reads_as in (
+            (evil, "sweep.space.model.options.x.choice[0]", "Python to run"),
+            ({"deep": [{"grid_search": list(range(500))}]}, "sweep.space.model.options.x.choice[0].deep[0]",
+             "more trials")):
+        body = {**quick_job("tune"), "sweep": {"space": {"model.options.x": {"choice": [value]}}}}
+        r = api(service, "POST", "/v1/sweeps", json=body)
+        assert r.status_code == 422, r.text
+        assert any(p.startswith(f"{where}: a mapping with the key") and reads_as in p for p in r.json()["problems"]), r.text
+    time.sleep(2)
+    assert not marker.exists()
+    assert api(service, "GET", "/v1/sweeps", "root").json()["total"] == sweeps_before
+
+
+def test_only_the_exact_allowed_factories_run(service):
+    """userpkg:make_model and userpkg:make_data are allowed; another function of the same module is not."""
+    for ref in ("userpkg:flaky_model", "userpkg:own_loop", "userpkg.sub:make_model"):
+        r = api(service, "POST", "/v1/jobs", json=quick_job("other", model={"factory": ref},
+                                                            data={"factory": "userpkg:make_data"}))
+        assert r.status_code == 403, (ref, r.text)
+        assert r.json()["problems"] == [
+            f'model.factory: "{ref}": not allowed for role \'user\': the factories allowed are exactly: '
+            "userpkg:make_data, userpkg:make_model (your operator sets the list)"], r.text
+
+
+def test_a_stored_spec_changed_after_its_check_does_not_run(service):
+    """A job fails (its data is not there); its stored spec is then changed, as a tenant's keys could,
+    to run a command; the resumed attempt refuses it before parsing it, and nothing runs."""
+    marker = service.work / "tampered-spec-marker"
+    r = api(service, "POST", "/v1/jobs", "bob", json=quick_job("gone", data={"source": "data/none.parquet"}))
+    assert r.status_code == 201, r.text
+    job = wait_done(service, r.json()["id"], "bob")
+    assert job["state"] == "FAILED", job
+    stored = service.root / "checked-specs" / "team-b" / f"{job['id']}.json"
+    spec = json.loads(stored.read_text())
+    spec["model"] = {"factory": "os:system", "options": {"command": f"touch {marker}"}}
+    spec["data"] = {"factory": "userpkg:make_data"}
+    stored.write_text(json.dumps(spec))
+    assert api(service, "POST", f"/v1/jobs/{job['id']}/resume", "bob").status_code == 202
+    again = wait_done(service, job["id"], "bob")
+    log = api(service, "GET", f"/v1/jobs/{job['id']}/logs", "bob").text
+    assert again["state"] == "FAILED" and len(again["submissions"]) == 2, again
+    assert "it was changed after it was checked, so it is not run" in log, log[-2000:]
+    assert not marker.exists()
+
+
+def test_a_job_over_a_role_maximum_or_over_the_cpu_quota_is_refused_with_the_limit(service):
+    jobs_before = api(service, "GET", "/v1/jobs", "root").json()["total"]
+    wide = quick_job("wide", training={"batch_size": 128, "max_steps": 5},
+                     distributed={"num_workers": {"min": 1, "max": 64}})
+    r = api(service, "POST", "/v1/jobs", "bob", json=wide)
+    assert r.status_code == 403 and r.json()["problems"] == [
+        "distributed.num_workers: 64: over role 'user''s maximum of 16: ask for fewer workers (your operator sets "
+        "role_limits)"], r.text
+    forever = quick_job("forever", fault_tolerance={"max_failures": -1}, data={"num_workers": 500})
+    problems = api(service, "POST", "/v1/jobs", "bob", json=forever).json()["problems"]
+    assert [p.split(":")[0] for p in problems] == ["data.num_workers", "fault_tolerance.max_failures"], problems
+    fleet = quick_job("fleet", training={"batch_size": 128, "max_steps": 5},
+                      distributed={"num_workers": 16, "use_gpu": False, "resources_per_worker": {"CPU": 8}})
+    r = api(service, "POST", "/v1/jobs", "bob", json=fleet)
+    assert r.status_code == 429, r.text
+    assert "its quota of 64 CPUs and this asks for 128" in r.json()["detail"], r.text
+    gpus = quick_job("gpus", training={"batch_size": 128, "max_steps": 5}, distributed={"num_workers": 16},
+                     sweep={"space": {"training.seed": {"choice": [1, 2]}}, "max_concurrent_trials": 2})
+    r = api(service, "POST", "/v1/sweeps", "bob", json=gpus)  # 2 trials at once x 16 workers, each may take a GPU
+    assert r.status_code == 429 and "its quota of 16 GPUs and this asks for 32" in r.json()["detail"], r.text
+    assert api(service, "GET", "/v1/jobs", "root").json()["total"] == jobs_before
+
+
 # ---------------------------------------------------------------- sweeps and the quota
 
 

@@ -180,6 +180,23 @@ def test_jobs_list_fits_80_columns_and_cuts_only_the_name():
     assert "TENANT" not in table([record(1)], now=1000.0)  # one tenant: no column for it
 
 
+def test_a_tenants_text_reaches_an_admins_terminal_as_text(capsys):
+    """A record stored before names were checked, or a log line: escape sequences print as visible
+    escapes, never as the sequences (no cursor moves, no window title, no clipboard writes)."""
+    import argparse
+
+    from service.cli import _show, details, table
+
+    evil = "x\x1b]0;owned\x07\x1b[2J\x9b31m\x00"
+    for render in (lambda: table([record(1, name=evil)], now=1000.0), lambda: details(record(1, error=evil), 1060.0)):
+        _show(argparse.Namespace(json=False), {}, render)
+        out = capsys.readouterr().out
+        assert not any(ord(c) < 32 and c not in "\n" or 0x7f <= ord(c) <= 0x9f for c in out), repr(out)
+        assert "\\x1b" in out
+    _show(argparse.Namespace(json=True), {"name": evil}, lambda: "")
+    assert "\x1b" not in capsys.readouterr().out  # JSON escapes them itself
+
+
 def test_jobs_get_is_a_field_a_line_within_80_columns():
     from service.cli import details
 
