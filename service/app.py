@@ -6,10 +6,18 @@ name depends on the tenant's role (403, service.auth). Limits: body size, counte
 the body streams in (413); spec shape (depth, size, no YAML aliases: 422); quota slots per
 tenant and trials per sweep (429); ``Idempotency-Key`` so a retried submit never makes a
 second job. Answers carry storage-relative locations, never the server's paths.
+
+What one client may cost is bounded too (service.http_limits): a body must arrive within a
+deadline (408), Serve's own timeout and queue are set and a client may not lift them, failed
+sign-ins are limited per address (429), a sign-in from another site is refused (403),
+listings read only each record's latest metrics, metrics answers are downsampled, and a
+record's Ray log and history are read once per moment however many pages refresh. The API's
+docs at /docs are a page of our own: no third-party script on the service's origin.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import threading
@@ -25,14 +33,18 @@ from starlette.concurrency import run_in_threadpool
 
 from service import web
 from service.auth import Principal, TokenEntry, Tokens
+from service.front_door import LoginLimiter, SharedRead, cross_site_refusal, downsample
+from service.http_limits import CLIENT_OVERRIDE_HEADERS, HttpLimits
 from service.isolation import check_code_tenants
 from service.jobs import (Conflict, Forbidden, JobManager, QuotaExceeded, RayUnavailable, ServiceSettings,
                           jobs_headers)
 from service.schemas import CheckpointOut, Health, MetricsOut, Problem, RecordList, RecordOut
 from service.store import ID_PATTERN, Record
 from trainers.config import SpecError, parse_text
+from trainers.history import read_history_tail
 
-app = FastAPI(title="elastic-train", version="1",
+# FastAPI's own /docs and /redoc load scripts from a CDN on this origin: ours (below) loads none.
+app = FastAPI(title="elastic-train", version="1", docs_url=None, redoc_url=None,
               description="Submit, watch, stop and resume elastic PyTorch training jobs and sweeps on Ray.")
 bearer = HTTPBearer(auto_error=False, description="a token from `etrain serve` (or your admin)")
 COOKIE = "etrain_token"
@@ -59,6 +71,10 @@ def manager() -> JobManager:
     return _state["manager"]
 
 
+def limits() -> HttpLimits:
+    return _state["limits"]
+
+
 def principal(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Principal:
     who = _state["tokens"].authenticate(creds.credentials if creds else None)
     if who is None:
@@ -81,16 +97,24 @@ def healthz() -> dict:
 
 async def read_body(request: Request, limit: int, what: str) -> bytes:
     """The body, refused (413) as soon as it passes ``limit``: a declared length is checked first,
-    and a chunked or lying body is counted as it streams in, never held whole beyond the limit."""
+    and a chunked or lying body is counted as it streams in, never held whole beyond the limit.
+    The whole body must arrive within the body deadline (408): a client trickling it holds a
+    slot of the replica only that long."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise HTTPException(413, f"body of {declared} bytes is over the {limit}-byte limit: send a smaller {what}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"body of more than {limit} bytes is over the limit: send a smaller {what}")
-        chunks.append(chunk)
+    deadline_s = limits().body_deadline_s
+    try:
+        async with asyncio.timeout(deadline_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise HTTPException(413, f"body of more than {limit} bytes is over the limit: send a smaller {what}")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise HTTPException(408, f"the {what} did not arrive within the {deadline_s:g} s limit for a whole body "
+                                 f"({size} bytes came): send it at once", headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 
@@ -159,7 +183,7 @@ def add_routes(kind: str) -> None:
         record = visible(record_id, who, kind)
         if not follow:
             try:
-                return PlainTextResponse(await run_in_threadpool(manager().logs, record, tail))
+                return PlainTextResponse(await run_in_threadpool(ray_log, record, tail))
             except RayUnavailable as exc:
                 raise HTTPException(404 if exc.missing else 503, str(exc)) from None
 
@@ -182,7 +206,10 @@ def add_routes(kind: str) -> None:
               tags=[plural], operation_id=f"resume_{kind}", summary="Resume from the newest checkpoint")
     def resume(record_id: str = RecordId, who: Principal = Depends(principal)):
         try:
-            return manager().public(manager().resume(visible(record_id, who, kind)))
+            return manager().public(manager().resume(visible(record_id, who, kind), who))
+        except Forbidden as exc:
+            raise HTTPException(403, {"detail": f"this {kind}'s spec names what role {who.role!r} may not use now",
+                                      "problems": exc.problems}) from None
         except Conflict as exc:
             raise HTTPException(409, str(exc)) from None
         except QuotaExceeded as exc:
@@ -200,9 +227,12 @@ def add_routes(kind: str) -> None:
 
     @app.get(base + "/{record_id}/metrics", response_model=MetricsOut, responses=ERRORS, tags=[plural],
              operation_id=f"metrics_{kind}", summary="Step metrics over time (loss, throughput, world size)")
-    def metrics(record_id: str = RecordId, who: Principal = Depends(principal)):
+    def metrics(record_id: str = RecordId, who: Principal = Depends(principal),
+                max_points: int | None = Query(None, ge=2, description="at most this many rows, evenly spaced with "
+                                                                       "the first and last (capped by the service)")):
         record = visible(record_id, who, kind)
-        return {"id": record.id, "rows": manager().metrics(record)}
+        cap = limits().max_metrics_points
+        return {"id": record.id, "rows": downsample(history(record), min(max_points or cap, cap))}
 
 
 def with_progress(record: Record) -> dict:
@@ -217,6 +247,17 @@ add_routes("sweep")
 
 
 # ---------------------------------------------------------------- request metrics and the web page
+
+
+@app.middleware("http")
+async def _no_client_overrides(request: Request, call_next):
+    """Ray Serve's proxy lets a request lift its own timeout by a header: refuse such a request
+    at once (the proxy has read the header before we see it), so it holds nothing."""
+    for name in CLIENT_OVERRIDE_HEADERS:
+        if name in request.headers:
+            return JSONResponse({"detail": f"header {name!r} is not accepted: the service sets request timeouts "
+                                           "itself"}, status_code=400)
+    return await call_next(request)
 
 
 @app.middleware("http")
@@ -236,8 +277,14 @@ def web_principal(request: Request) -> Principal | None:
     return _state["tokens"].authenticate(request.cookies.get(COOKIE))
 
 
-def page(text: str, status_code: int = 200) -> HTMLResponse:
-    return HTMLResponse(text, status_code=status_code, headers=web.HEADERS)
+def page(text: str, status_code: int = 200, headers: dict | None = None) -> HTMLResponse:
+    return HTMLResponse(text, status_code=status_code, headers={**web.HEADERS, **(headers or {})})
+
+
+@app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+def docs() -> HTMLResponse:
+    """The API's routes, methods and summaries from its OpenAPI schema, escaped, with no script."""
+    return page(web.docs_page(app.openapi()))
 
 
 @app.get("/ui/static/{name:path}", include_in_schema=False)
@@ -251,43 +298,80 @@ def ui_static(name: str) -> Response:
 
 
 def ui_rows(who: Principal) -> list[dict]:
+    """The tenant's jobs and sweeps, newest first, as the list shows them; their progress is read
+    (``progress``) only for the rows of the page shown."""
     mgr, rows = manager(), []
     for kind in ("job", "sweep"):
         for r in mgr.list(kind, who.tenant, who.is_admin):
             rows.append({"id": r.id, "name": r.name, "kind": r.kind, "state": r.state, "created_at": r.created_at,
-                         "updated_at": r.updated_at, "progress": progress(r)})
+                         "updated_at": r.updated_at, "record": r})
     return sorted(rows, key=lambda row: -row["created_at"])
 
 
+def ui_paging(page_number: int) -> dict:
+    return {"page": page_number, "page_rows": limits().jobs_page_rows, "progress": lambda row: progress(row["record"])}
+
+
+PROGRESS_ROWS = 16  # the latest rows a progress reading needs: the last, and the ETA's window
+
+
 def progress(record: Record) -> dict:
-    """Where a record stands now (its latest metrics row), not only where its last run ended."""
-    return web.progress_of(record.model_dump(mode="json"), manager().metrics(record), manager().interruptions(record))
+    """Where a record stands now (its latest metrics rows), not only where its last run ended:
+    a few files' ends, never the whole history, for each row of a listing."""
+    rows = [] if record.kind == "sweep" else read_history_tail(manager().tenant_root(record.tenant), record.id,
+                                                               PROGRESS_ROWS)
+    return web.progress_of(record.model_dump(mode="json"), rows, manager().interruptions(record))
+
+
+def history(record: Record) -> list[dict]:
+    """A record's whole metrics history, read once per moment however many ask."""
+    return _state["histories"].get(record.id, lambda: manager().metrics(record))
+
+
+def ray_log(record: Record, tail_lines: int) -> str:
+    """The last lines of a record's latest Ray log; the log is fetched once per moment per submission."""
+    if not record.submissions:
+        return ""
+    text = _state["logs"].get(record.submissions[-1], lambda: manager().logs(record, None))
+    return "".join(text.splitlines(keepends=True)[-tail_lines:]) if tail_lines > 0 else ""
 
 
 UI_STATE = Query(None, pattern="^(PENDING|RUNNING|STOPPING|STOPPED|SUCCEEDED|FAILED)$")
+UI_PAGE = Query(1, ge=1, le=1_000_000, alias="page")
 
 
 @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-def ui_jobs(request: Request, state: str | None = UI_STATE):
+def ui_jobs(request: Request, state: str | None = UI_STATE, page_number: int = UI_PAGE):
     who = web_principal(request)
     if who is None:
         return page(web.login_page(), 401)
-    return page(web.jobs_page(who.tenant, ui_rows(who), state))
+    return page(web.jobs_page(who.tenant, ui_rows(who), state, **ui_paging(page_number)))
 
 
 @app.get("/ui/jobs-table", response_class=HTMLResponse, include_in_schema=False)
-def ui_jobs_table(request: Request, state: str | None = UI_STATE):
+def ui_jobs_table(request: Request, state: str | None = UI_STATE, page_number: int = UI_PAGE):
     who = web_principal(request)
     if who is None:
         return page("", 401)
-    return page(web.jobs_table(ui_rows(who), state))
+    return page(web.jobs_table(ui_rows(who), state, **ui_paging(page_number)))
 
 
 @app.post("/ui/login", response_class=HTMLResponse, include_in_schema=False)
 async def ui_login(request: Request):
+    """Sign in from this service's own page only, and a client address only so often after failing."""
+    refusal = cross_site_refusal(request.headers)
+    if refusal is not None:
+        return page(web.login_page(refusal), 403)
+    address = request.client.host if request.client else "(unknown)"
+    limiter: LoginLimiter = _state["login_limiter"]
+    wait_s = limiter.retry_after_s(address)
+    if wait_s is not None:
+        return page(web.login_page(f"too many failed sign-ins from {address}: try again in {wait_s} s"), 429,
+                    {"Retry-After": str(wait_s)})
     raw = await read_body(request, LOGIN_BODY_BYTES, "form")
     token = (parse_qs(raw.decode(errors="replace")).get("token") or [""])[0]
     if _state["tokens"].authenticate(token) is None:
+        limiter.failed(address)
         return page(web.login_page("unknown token"), 401)
     response = RedirectResponse("/", status_code=303, headers=web.HEADERS)
     response.set_cookie(COOKIE, token, httponly=True, secure=True, samesite="strict", path="/")
@@ -306,10 +390,10 @@ def ui_record(record_id: str, who: Principal) -> Record | None:
 def ui_parts(record: Record) -> tuple:
     mgr = manager()
     try:
-        logs = mgr.logs(record, LOG_LINES)
+        logs = ray_log(record, LOG_LINES)
     except RayUnavailable as exc:  # the page still shows the rest, and says why the log is missing
         logs = f"[logs unavailable: {exc}]"
-    return mgr.public(record), mgr.metrics(record), mgr.interruptions(record), mgr.checkpoints(record), logs
+    return mgr.public(record), history(record), mgr.interruptions(record), mgr.checkpoints(record), logs
 
 
 @app.get("/ui/jobs/{record_id}", response_class=HTMLResponse, include_in_schema=False)
@@ -320,7 +404,7 @@ def ui_job(record_id: str, request: Request):
     record = ui_record(record_id, who)
     if record is None:
         return page(web.not_found_page(f"no job {record_id!r}"), 404)
-    return page(web.job_page(*ui_parts(record)))
+    return page(web.job_page(*ui_parts(record), max_points=limits().max_metrics_points))
 
 
 @app.get("/ui/jobs/{record_id}/data", include_in_schema=False)
@@ -332,7 +416,7 @@ def ui_job_data(record_id: str, request: Request) -> JSONResponse:
     record = ui_record(record_id, who)
     if record is None:
         return JSONResponse({"detail": f"no job {record_id!r}"}, status_code=404, headers=web.HEADERS)
-    return JSONResponse(web.job_data(*ui_parts(record)), headers=web.HEADERS)
+    return JSONResponse(web.job_data(*ui_parts(record), max_points=limits().max_metrics_points), headers=web.HEADERS)
 
 
 def own_dashboard_url() -> str | None:
@@ -345,8 +429,8 @@ def own_dashboard_url() -> str | None:
         return None
 
 
-def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threading.Event:
-    """Set this process's manager and start the reconciler (at once, then every interval)."""
+def configure(settings: ServiceSettings, tokens: Tokens, client=None, http: HttpLimits | None = None) -> threading.Event:
+    """Set this process's manager and limits and start the reconciler (at once, then every interval)."""
     from cluster.metrics import ServiceMetrics
 
     if client is None:  # the real Jobs API: `code` tenants only where their jobs cannot reach the service
@@ -354,6 +438,9 @@ def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threadi
                            own_url=own_dashboard_url())
     _state["manager"] = mgr = JobManager(settings, client)
     _state["tokens"] = tokens
+    _state["limits"] = http = http or HttpLimits()
+    _state["login_limiter"] = LoginLimiter(http.login_failures, http.login_window_s, http.login_addresses)
+    _state["logs"], _state["histories"] = SharedRead(http.read_cache_s), SharedRead(http.read_cache_s)
     _state["metrics"] = metrics = ServiceMetrics()
 
     def count(records: list[Record]) -> None:
@@ -369,14 +456,30 @@ def configure(settings: ServiceSettings, tokens: Tokens, client=None) -> threadi
     return stop
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=200, ray_actor_options={"num_cpus": 0})
+DEFAULT_LIMITS = HttpLimits()
+
+
+@serve.deployment(num_replicas=1, max_ongoing_requests=DEFAULT_LIMITS.max_ongoing_requests,
+                  max_queued_requests=DEFAULT_LIMITS.max_queued_requests, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class JobService:
     """One replica holds the records in memory and writes them through to storage."""
 
-    def __init__(self, settings: dict, tokens: list[dict]):
+    def __init__(self, settings: dict, tokens: list[dict], http: dict | None = None):
         self._stop = configure(ServiceSettings.model_validate(settings),
-                               Tokens([TokenEntry.model_validate(t) for t in tokens]))
+                               Tokens([TokenEntry.model_validate(t) for t in tokens]),
+                               http=HttpLimits.model_validate(http or {}))
 
     def __del__(self):
         self._stop.set()
+
+
+def application(settings: dict, tokens: list[dict], http: HttpLimits):
+    """The deployment with the front door's limits: its own (slots, queue) and the replica's."""
+    return JobService.options(max_ongoing_requests=http.max_ongoing_requests,
+                              max_queued_requests=http.max_queued_requests).bind(settings, tokens, http.model_dump())
+
+
+def http_options(host: str, port: int, http: HttpLimits) -> dict:
+    """Serve's proxy options: where it listens, and the timeout after which it ends any request."""
+    return {"host": host, "port": port, "request_timeout_s": http.request_timeout_s}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -32,7 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.storage import default_root
-    from service.app import JobService
+    from service.app import application, http_options
     from service.auth import TokenConfigError, bootstrap_admin, load_tokens
     from service.isolation import IsolationError, check_code_tenants
     from service.jobs import jobs_headers
@@ -43,6 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         entries = load_tokens(args.tokens)
         settings = serve_settings(args, storage_root)
+        http = http_limits(args)
     except (TokenConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -65,8 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         release_ray(started_ray)
         return 2
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(JobService.bind(settings.model_dump(), [e.model_dump(exclude={"token"}) for e in entries]),
+    serve.start(http_options=http_options(args.host, args.port, http))
+    serve.run(application(settings.model_dump(), [e.model_dump(exclude={"token"}) for e in entries], http),
               name="etrain", route_prefix="/", blocking=False)
     url = f"http://{args.host}:{args.port}"
     print(f"[etrain] service at {url} (API under /v1, docs at {url}/docs); storage {storage_root}, "
@@ -113,6 +115,39 @@ def serve_settings(args: argparse.Namespace, storage_root: str):
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "settings"
         raise ValueError(f"--config {args.config or '(flags)'}: {where}: {first['msg']}") from None
+
+
+HTTP_FLAGS = {  # flag -> (HttpLimits field, type, help); defaults are HttpLimits'
+    "--body-deadline-s": ("body_deadline_s", float, "a request body must arrive whole within this, else 408"),
+    "--request-timeout-s": ("request_timeout_s", float, "Ray Serve ends any request after this, a followed log "
+                                                        "stream too"),
+    "--max-ongoing-requests": ("max_ongoing_requests", int, "requests served at once; a slow client holds one while "
+                                                            "its body trickles in"),
+    "--max-queued-requests": ("max_queued_requests", int, "requests waiting for a slot beyond those; more get 503"),
+    "--login-failures": ("login_failures", int, "failed sign-ins a client address may make per --login-window-s, "
+                                                "then 429"),
+    "--login-window-s": ("login_window_s", float, "the window of --login-failures"),
+    "--max-metrics-points": ("max_metrics_points", int, "most rows a metrics answer or chart carries, evenly spaced"),
+    "--jobs-page-rows": ("jobs_page_rows", int, "jobs per page of the web list"),
+    "--login-addresses": ("login_addresses", int, "client addresses whose failed sign-ins are remembered, the "
+                                                  "oldest forgotten first"),
+    "--read-cache-s": ("read_cache_s", float, "a record's Ray log and metrics are read at most once per this"),
+}
+
+
+def http_limits(args: argparse.Namespace):
+    """The front door's limits (service.http_limits) from the flags given."""
+    from pydantic import ValidationError
+
+    from service.http_limits import HttpLimits
+
+    given = {field: getattr(args, field) for field, _, _ in HTTP_FLAGS.values() if getattr(args, field) is not None}
+    try:
+        return HttpLimits.model_validate(given)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        flag = next(f for f, (field, _, _) in HTTP_FLAGS.items() if field == first["loc"][0])
+        raise ValueError(f"{flag} {first['input']}: {first['msg']}") from None
 
 
 def _dashboard_url() -> str:
@@ -191,7 +226,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record, indent=2))
     else:
-        print(f"[etrain] {record['kind']} {record['id']} ({record['name']}): {record['state']}")
+        print(terminal_safe(f"[etrain] {record['kind']} {record['id']} ({record['name']}): {record['state']}"))
         print(f"[etrain] follow it: etrain {plural} logs {record['id']} --follow")
     return 0
 
@@ -207,7 +242,7 @@ def cmd_records(args: argparse.Namespace) -> int:
             resp = c.call("GET", f"/v1/{plural}/{args.id}/logs", params={"tail": args.tail, "follow": args.follow},
                           stream=args.follow)
             for chunk in resp.iter_content(chunk_size=None, decode_unicode=True):
-                print(chunk, end="", flush=True)
+                print(terminal_safe(chunk), end="", flush=True)
             return 0
         if args.action in ("stop", "resume"):
             out = c.call("POST", f"/v1/{plural}/{args.id}/{args.action}").json()
@@ -230,8 +265,18 @@ def cmd_records(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace, out, render) -> int:
-    print(json.dumps(out, indent=2) if args.json else render())
+    print(json.dumps(out, indent=2) if args.json else terminal_safe(render()))
     return 0
+
+
+# Control characters but newline and tab: a tenant's text (a job's name, its log) must not move an
+# admin's cursor, retitle the window or write to the clipboard (ESC, CSI, OSC sequences).
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with every control character shown as a visible escape (\\x1b), so it prints as text."""
+    return CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 WIDTH = 80  # a terminal's width: tables fit it, the name column gives way
@@ -329,10 +374,11 @@ def main(argv: list[str] | None = None) -> int:
                     "{tenant, role: admin|user|code, sha256: <hex of the token>}; with none, an admin token is "
                     "made and printed once. Roles: admin (everything, every tenant), code (its own code: "
                     "train_loop, any factory; trusted within the jobs cluster, and served only when --dashboard-url "
-                    "names a jobs cluster apart from the service's own Ray), user (built-in workloads, factories "
-                    "from --config's factory_modules, data under its own storage prefix or tenant_data_uris). "
-                    "--config FILE sets the rest (YAML): factory_modules, tenant_data_uris, tenant_env, "
-                    "tenant_quotas, max_sweep_trials, entrypoint_resources, max_body_bytes, jobs_token_file (the jobs "
+                    "names a jobs cluster apart from the service's own Ray), user (built-in workloads, exactly "
+                    "the factories in --config's allowed_factories, data under its own storage prefix or "
+                    "tenant_data_uris, within role_limits). --config FILE sets the rest (YAML): allowed_factories, "
+                    "tenant_data_uris, tenant_env, tenant_quotas, cpu_quota, gpu_quota, tenant_cpu_quotas, "
+                    "tenant_gpu_quotas, role_limits, max_sweep_trials, entrypoint_resources, max_body_bytes, jobs_token_file (the jobs "
                     "cluster's own Ray token).", epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve_p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve_p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -351,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
                                                   "dashboard; `code` tenants need a cluster apart from the service's)")
     serve_p.add_argument("--cpus", type=int, default=4, help="logical CPUs of a local Ray this starts (default 4)")
     serve_p.add_argument("--detach", action="store_true", help="deploy and exit (needs a running cluster)")
+    from service.http_limits import HttpLimits
+
+    for flag, (field, kind, text) in HTTP_FLAGS.items():
+        serve_p.add_argument(flag, dest=field, type=kind,
+                             help=f"{text} (default {HttpLimits.model_fields[field].default:g})")
     serve_p.set_defaults(fn=cmd_serve)
 
     submit = sub.add_parser("submit", help="submit a job or sweep spec to the service",
