@@ -35,6 +35,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from cluster.signed_fs import KEY_ENV as STATE_KEY_ENV
+from cluster.signed_fs import new_key
 from cluster.storage import StorageRoot, open_root
 from service.auth import ROLES, Principal, in_tenant_data, is_under, policy_problems
 from service.limits import (DEFAULT_ROLE_LIMITS, Footprint, RoleLimits, job_footprint, limit_problems, quota_problem,
@@ -417,6 +419,7 @@ class JobManager:
                             spec_sha256=hashlib.sha256(spec_bytes).hexdigest(),
                             storage=troot.uri_of(self.run_folder_for(kind, record_id)), slots=slots,
                             cpus=checked.footprint.cpus, gpus=checked.footprint.gpus,
+                            state_key=new_key() if kind == "sweep" else None,
                             created_at=now, updated_at=now)
             record.move("PENDING", "submitted")
             self.store.save(record)
@@ -448,12 +451,14 @@ class JobManager:
             args.append("--verbose")
         return shlex.join(args)  # every word is ours or a storage URI we made, quoted all the same
 
-    def job_env(self, tenant: str) -> dict[str, str]:
-        """The variables a tenant's job runs with, over what Ray's workers inherit: the service's
-        secrets blanked, the default storage root set to the tenant's prefix, the tenant's own added."""
+    def job_env(self, record: Record) -> dict[str, str]:
+        """The variables a record's job runs with, over what Ray's workers inherit: the service's
+        secrets blanked, the default storage root set to the tenant's prefix, the tenant's own added,
+        and a sweep's key for its Tune state last (no tenant variable may replace it)."""
         env = {k: "" for k in os.environ if SECRET_ENV.match(k)}
-        env["ETRAIN_STORAGE_ROOT"] = self.tenant_root(tenant).uri
-        env.update(self.settings.tenant_env.get(tenant, {}))
+        env["ETRAIN_STORAGE_ROOT"] = self.tenant_root(record.tenant).uri
+        env.update(self.settings.tenant_env.get(record.tenant, {}))
+        env[STATE_KEY_ENV] = record.state_key or ""
         return env
 
     def submit(self, record: Record, reason: str = "submitted to Ray") -> Record:
@@ -470,7 +475,7 @@ class JobManager:
         try:
             self.client.submit_job(entrypoint=self.entrypoint(record, resume=len(record.submissions) > 1),
                                    submission_id=sid, metadata={"etrain_record": record.id, "tenant": record.tenant},
-                                   runtime_env={"env_vars": self.job_env(record.tenant)},
+                                   runtime_env={"env_vars": self.job_env(record)},
                                    entrypoint_resources=self.settings.entrypoint_resources or None)
         except Exception as exc:  # boundary: Ray's HTTP API
             if "already exists" not in str(exc):  # Ray has it: a retry of a submission it took
@@ -762,7 +767,7 @@ class JobManager:
 
     def public(self, record: Record) -> dict[str, Any]:
         """A record as the API shows it: the spec as given (no server paths), locations storage-relative."""
-        data = record.model_dump(mode="json", exclude={"slots", "cpus", "gpus", "spec_sha256"})
+        data = record.model_dump(mode="json", exclude={"slots", "cpus", "gpus", "spec_sha256", "state_key"})
         (data["spec"].get("checkpoint") or {}).pop("storage_root", None)
         last = (record.summary or {})
         data["progress"] = {"step": last.get("final_step"), "target_step": last.get("target_step")}

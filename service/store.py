@@ -53,6 +53,8 @@ class Record(BaseModel):
     storage: str  # the job's folder (or the sweep's) in storage
     slots: int = Field(1, description="how much of the tenant's quota it holds while unfinished: a sweep's "
                                       "concurrent trials")
+    state_key: str | None = Field(None, description="a sweep's key for its Tune state (cluster.signed_fs): given to "
+                                                   "its driver only, never shown")
     cpus: float = Field(0.0, description="CPUs it holds of the tenant's quota while unfinished (service.limits)")
     gpus: float = Field(0.0, description="GPUs likewise")
     submissions: list[str] = Field(default_factory=list, description="Ray Jobs submission id per attempt")

@@ -488,6 +488,30 @@ def reached_target(summary: dict) -> bool:
     return summary.get("status") == "succeeded" and final is not None and target is not None and final >= target
 
 
+def tune_filesystem(root: StorageRoot, tune_path: str):
+    """The filesystem Tune keeps the sweep's state through. Given a key (``$ETRAIN_STATE_KEY``: the
+    service gives each sweep one, kept in its own state), every file Tune writes is signed and every
+    file it reads back is checked first: Tune unpickles its state on resume, and a tenant's keys can
+    write the storage it lies in (cluster.signed_fs). Without one (`etrain sweep` by the owner of
+    the storage), the storage's own."""
+    from cluster.signed_fs import KEY_ENV, key_from_hex, signed_filesystem
+
+    key = os.environ.get(KEY_ENV)
+    return signed_filesystem(root.fs, tune_path, key_from_hex(key)) if key else root.fs
+
+
+def verify_tune_state(fs, experiment: str) -> None:
+    """Check every state file Tune will read before Tune reads it: Tune's controller catches a failed
+    resume and starts the sweep over, so a refused file must stop the resume here, loudly."""
+    from cluster.signed_fs import UnverifiedFileError, verify_folder
+
+    try:
+        verify_folder(fs, experiment)
+    except UnverifiedFileError as exc:
+        raise SpecError([f"--resume: the sweep's saved state does not verify ({exc}): it is not read; start the "
+                         "sweep anew under another name"]) from None
+
+
 def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, dict]:
     """Run (or resume) a sweep to the end; write results.json and best.yaml; return (exit code, report)."""
     import ray
@@ -508,6 +532,9 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
                          "pass --resume to continue it, or set another name"])
     if resume and not exists:
         raise SpecError([f"--resume: no sweep {plan.name!r} at {root.uri_of(sweep_dir)}: run it without --resume first"])
+    tune_fs = tune_filesystem(root, tune_path)
+    if resume:
+        verify_tune_state(tune_fs, tune_path + "/tune")
     s, d = plan.sweep, plan.spec.distributed
     started_ray = ensure_ray(s.max_concurrent_trials * d.max_workers)
     try:
@@ -525,7 +552,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
         if resume:
             say(f"[etrain] resuming sweep {plan.name!r} from {root.uri_of(sweep_dir, 'tune')}")
             tuner = tune.Tuner.restore(tune_path + "/tune", trainable, resume_unfinished=True, resume_errored=True,
-                                       storage_filesystem=root.fs)
+                                       storage_filesystem=tune_fs)
         else:
             say(f"[etrain] sweep {plan.name!r}: {s.samples} sample(s), {s.search} search, {s.scheduler} "
                 f"scheduler, {s.metric} ({s.mode}), {s.max_concurrent_trials} at a time; "
@@ -534,7 +561,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
                 trainable, param_space=tune_space(s),
                 tune_config=tune.TuneConfig(metric=s.metric, mode=s.mode, num_samples=s.samples,
                                             search_alg=make_searcher(s), scheduler=make_scheduler(s)),
-                run_config=tune.RunConfig(name="tune", storage_path=tune_path, storage_filesystem=root.fs,
+                run_config=tune.RunConfig(name="tune", storage_path=tune_path, storage_filesystem=tune_fs,
                                           callbacks=[trial_cleanup_callback(jobs)],
                                           failure_config=tune.FailureConfig(max_failures=0), verbose=1),
             )

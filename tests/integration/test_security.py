@@ -79,9 +79,9 @@ def quick_job(name: str, **extra) -> dict:
             "distributed": {"num_workers": 1}, "model": {"hidden_size": 16}, "checkpoint": {"interval": 5}, **extra}
 
 
-def wait_done(svc, job_id: str, who: str) -> dict:
+def wait_done(svc, job_id: str, who: str, plural: str = "jobs") -> dict:
     def done():
-        r = api(svc, "GET", f"/v1/jobs/{job_id}", who).json()
+        r = api(svc, "GET", f"/v1/{plural}/{job_id}", who).json()
         return r if r["state"] in ("SUCCEEDED", "FAILED", "STOPPED") else None
     return wait_for(done, 300, f"job {job_id} to finish", poll_s=0.5)
 
@@ -154,9 +154,12 @@ def test_a_user_tenant_cannot_run_a_command_and_nothing_runs(service):
     real = api(service, "POST", "/v1/jobs", json={"data": {"factory": "subprocess:run"}}).json()["problems"]
     fake = api(service, "POST", "/v1/jobs", json={"data": {"factory": "no_such_mod_zz:run"}}).json()["problems"]
     assert real[0].replace("subprocess:run", "M") == fake[0].replace("no_such_mod_zz:run", "M")
-    # A malformed allowed-looking ref is a plain 422 about its shape, never an import error.
+    # A malformed ref is not on the exact list: a 403 from the names alone, never an import error; for a
+    # role that may name any factory, a plain 422 about its shape.
     shape = api(service, "POST", "/v1/jobs", json={"data": {"factory": "userpkg.make data"}})
-    assert shape.status_code == 422 and "must look like 'package.module:function'" in shape.text
+    assert shape.status_code == 403 and "not allowed for role 'user'" in shape.text, shape.text
+    shape = api(service, "POST", "/v1/jobs", "root", json={"data": {"factory": "userpkg.make data"}})
+    assert shape.status_code == 422 and "must look like 'package.module:function'" in shape.text, shape.text
     time.sleep(2)
     assert not marker.exists()
     assert api(service, "GET", "/v1/jobs", "root").json()["total"] == before  # nothing stored, nothing submitted
@@ -212,6 +215,42 @@ def test_a_stored_spec_changed_after_its_check_does_not_run(service):
     log = api(service, "GET", f"/v1/jobs/{job['id']}/logs", "bob").text
     assert again["state"] == "FAILED" and len(again["submissions"]) == 2, again
     assert "it was changed after it was checked, so it is not run" in log, log[-2000:]
+    assert not marker.exists()
+
+
+class Planted:
+    """What a tenant would plant as Tune's state: unpickling it creates the marker."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_sweeps_tune_state_changed_in_storage_is_not_unpickled(service):
+    """Tune unpickles a sweep's state (tuner.pkl, ...) on resume, from the tenant's own prefix, which
+    the tenant's keys can write: the driver signs what Tune writes and checks it before Tune reads."""
+    import pickle
+
+    marker = service.work / "tune-pickle-marker"
+    body = {**quick_job("tuned", training={"batch_size": 32, "max_steps": 100000, "log_interval_steps": 50}),
+            "sweep": {"space": {"training.seed": {"choice": [1]}}, "max_concurrent_trials": 1}}
+    r = api(service, "POST", "/v1/sweeps", "bob", json=body)
+    assert r.status_code == 201, r.text
+    sweep_id = r.json()["id"]
+    state = service.root / "tenants" / "team-b" / "sweeps" / sweep_id / "tune"
+    wait_for(lambda: (state / "tuner.pkl").exists(), 240, "the sweep's Tune state")
+    wait_for(lambda: (state / "tuner.pkl.etrain-sig").exists(), 30, "its signature: the driver signs what Tune writes")
+    assert api(service, "POST", f"/v1/sweeps/{sweep_id}/stop", "bob").status_code == 202
+    assert wait_done(service, sweep_id, "bob", "sweeps")["state"] == "STOPPED"
+    assert b"ETRAIN_STATE_KEY" not in (state / "tuner.pkl").read_bytes()
+    (state / "tuner.pkl").write_bytes(pickle.dumps(Planted(marker)))
+    assert api(service, "POST", f"/v1/sweeps/{sweep_id}/resume", "bob").status_code == 202
+    again = wait_done(service, sweep_id, "bob", "sweeps")
+    log = api(service, "GET", f"/v1/sweeps/{sweep_id}/logs", "bob").text
+    assert again["state"] == "FAILED", again
+    assert "the sweep's saved state does not verify" in log and "tuner.pkl" in log, log[-3000:]
     assert not marker.exists()
 
 

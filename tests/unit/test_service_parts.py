@@ -272,12 +272,21 @@ def test_a_jobs_environment_has_no_service_secrets_and_the_tenants_own(tmp_path,
     settings = ServiceSettings(storage_root=str(tmp_path / "root"), state_dir=str(tmp_path / "state"),
                                ray_dashboard_url="x", tenant_env={"b": {"AWS_ACCESS_KEY_ID": "bs-own"}})
     mgr = JobManager(settings, client=object())
-    env = mgr.job_env("a")
+
+    def record(tenant: str, kind: str = "job", state_key: str | None = None) -> Record:
+        return Record(id="s-1", kind=kind, tenant=tenant, name="n", spec={}, spec_uri="x", storage="y",
+                      created_at=0.0, updated_at=0.0, state_key=state_key)
+
+    env = mgr.job_env(record("a"))
     assert all(env[k] == "" for k in ("AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "ETRAIN_TOKENS",
                                       "ETRAIN_STATE_DIR", "DB_PASSWORD", "SOME_API_TOKEN"))
     assert "AWS_REGION" not in env and "RAY_AUTH_TOKEN" not in env  # not secrets of ours: inherited as they are
     assert env["ETRAIN_STORAGE_ROOT"] == str(tmp_path / "root" / "tenants" / "a")
-    assert mgr.job_env("b")["AWS_ACCESS_KEY_ID"] == "bs-own" and mgr.job_env("b")["AWS_SECRET_ACCESS_KEY"] == ""
+    assert mgr.job_env(record("b"))["AWS_ACCESS_KEY_ID"] == "bs-own"
+    assert mgr.job_env(record("b"))["AWS_SECRET_ACCESS_KEY"] == ""
+    assert env["ETRAIN_STATE_KEY"] == ""  # a job has no Tune state to sign
+    settings.tenant_env["b"]["ETRAIN_STATE_KEY"] = "tenant-chosen"
+    assert mgr.job_env(record("b", "sweep", "ab" * 32))["ETRAIN_STATE_KEY"] == "ab" * 32  # its own, not the tenant's
 
 
 @pytest.mark.parametrize("sweep,trials", [
