@@ -31,13 +31,18 @@ def _host_port(netloc: str, scheme: str) -> tuple[str, int | None] | None:
 def cross_site_refusal(headers: Mapping[str, str]) -> str | None:
     """Why a form post must be refused as cross-site, or None when it comes from this site.
 
-    Browsers say where a post comes from: ``Sec-Fetch-Site`` (cross-site is refused) and
-    ``Origin``, which when present must name this very host and port (``Host``; a Host without
-    a port takes the Origin scheme's, as behind a TLS proxy). A client that sends neither (curl,
-    a script) is not a browser another site can drive, so it passes."""
+    Browsers say where a post comes from. ``Sec-Fetch-Site``, where sent, decides alone: only
+    ``same-origin`` (or ``none``: typed by the user) passes; our own page's posts carry ``Origin:
+    null``, as its ``Referrer-Policy: no-referrer`` makes browsers send, so Origin cannot decide for
+    a browser that says more. Without it, ``Origin`` when present must name this very host and port
+    (``Host``; a Host without a port takes the Origin scheme's, as behind a TLS proxy). A client
+    that sends neither (curl, a script) is not a browser another site can drive, so it passes."""
     site = (headers.get("sec-fetch-site") or "").strip().lower()
-    if site == "cross-site":
-        return "a sign-in posted from another site (Sec-Fetch-Site: cross-site) is refused: sign in on this page"
+    if site in ("same-origin", "none"):
+        return None
+    if site:
+        return (f"a sign-in posted from another site (Sec-Fetch-Site: {site[:20]}) is refused: sign in on this "
+                "service's own page")
     origin = headers.get("origin")
     if origin is None:
         return None

@@ -287,6 +287,7 @@ def sweep_body(**sweep) -> dict:
 def test_sweeps_count_against_the_quota_and_cannot_sweep_ownership(service, alices_job):
     # Alice's job was just submitted: it holds 1 of her 3 slots until it ends (seconds from now).
     assert alices_job.status_code == 201, alices_job.text
+    sweeps_before = api(service, "GET", "/v1/sweeps", "root").json()["total"]
     many = api(service, "POST", "/v1/sweeps", json=sweep_body(num_samples=10000))
     assert many.status_code == 429 and "runs 10000 trials, role 'user' may run at most 64" in many.json()["detail"]
     wide = api(service, "POST", "/v1/sweeps", json=sweep_body(num_samples=8, max_concurrent_trials=1000))
@@ -300,7 +301,7 @@ def test_sweeps_count_against_the_quota_and_cannot_sweep_ownership(service, alic
     assert owner.status_code == 403 and "sweep.space.labels.tenant: not searchable" in owner.text
     full = api(service, "POST", "/v1/sweeps", json=sweep_body(num_samples=3, max_concurrent_trials=3))
     assert full.status_code == 429 and "holds 1 of its quota of 3" in full.json()["detail"], full.text
-    assert api(service, "GET", "/v1/sweeps", "root").json()["total"] == 0  # none of them started
+    assert api(service, "GET", "/v1/sweeps", "root").json()["total"] == sweeps_before  # none of them started
 
 
 def test_a_user_reads_only_its_own_data_and_runs_allowed_factories(service, alices_job):
@@ -460,6 +461,34 @@ def test_healthz_stays_fast_while_a_1mb_yaml_body_is_refused(service):
     sender.join()
     assert result["r"].status_code == 422 and "more than 20000 values" in result["r"].text
     assert statistics.median(latencies) < 0.1 and max(latencies) < 1.0, latencies
+
+
+def test_healthz_stays_fast_while_a_200k_character_spec_and_page_views_are_in_flight(service, alices_job):
+    """A 200,000-character factory name was accepted, failed its job with itself in the log, and each
+    page view's log classifier then spent a minute on it (quadratic in a run of word characters),
+    stalling every route. Now the text is refused at once and the page's classifier is linear."""
+    job = succeeded(service, alices_job)["id"]
+    long_ref = "userpkg:" + "a" * 200_000
+    results: dict = {"pages": []}
+
+    def attack():
+        results["submit"] = api(service, "POST", "/v1/jobs", json=quick_job(
+            "long", model={"factory": long_ref}, data={"factory": "userpkg:make_data"}))
+        for _ in range(3):
+            results["pages"].append(requests.get(f"{service.url}/ui/jobs/{job}", timeout=60,
+                                                 cookies={"etrain_token": token_of("alice")}).status_code)
+    attacker = threading.Thread(target=attack)
+    attacker.start()
+    latencies = []
+    while attacker.is_alive() or len(latencies) < 10:
+        started = time.perf_counter()
+        assert requests.get(service.url + "/healthz", timeout=60).status_code == 200
+        latencies.append(time.perf_counter() - started)
+    attacker.join()
+    r = results["submit"]
+    assert r.status_code == 422 and "a text of 200008 characters" in r.text and len(r.text) < 2000, r.text[:500]
+    assert results["pages"] == [200, 200, 200]
+    assert statistics.median(latencies) < 0.2 and max(latencies) < 2.0, latencies
 
 
 def test_malformed_requests_are_4xx_and_ids_are_checked(service):

@@ -66,6 +66,11 @@ def test_the_linear_warning_pattern_classifies_as_the_old_one(line):
     ({"host": "svc.example.com", "origin": "https://svc.example.com"}, None),  # behind a TLS proxy
     ({"host": "svc.example.com:443", "origin": "https://SVC.example.com"}, None),
     ({"host": "127.0.0.1:8000", "sec-fetch-site": "cross-site"}, "Sec-Fetch-Site: cross-site"),
+    ({"host": "127.0.0.1:8000", "sec-fetch-site": "same-site", "origin": "http://127.0.0.1:8000"},
+     "Sec-Fetch-Site: same-site"),  # another port or subdomain of this site: still not this page
+    # Our page's own form, as Chromium posts it under Referrer-Policy: no-referrer.
+    ({"host": "127.0.0.1:8000", "origin": "null", "sec-fetch-site": "same-origin"}, None),
+    ({"host": "127.0.0.1:8000", "origin": "null", "sec-fetch-site": "cross-site"}, "Sec-Fetch-Site: cross-site"),
     ({"host": "127.0.0.1:8000", "origin": "http://evil.example"}, "origin 'http://evil.example' is refused"),
     ({"host": "127.0.0.1:8000", "origin": "http://127.0.0.1:9000"}, "origin 'http://127.0.0.1:9000' is refused"),
     ({"host": "127.0.0.1:8000", "origin": "null"}, "origin 'null' is refused"),
