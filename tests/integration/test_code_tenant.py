@@ -293,13 +293,17 @@ def test_a_graceful_stop_reaches_a_job_on_the_jobs_cluster_without_a_sigterm(spl
     svc = split.service("--dashboard-url", split.jobs_url, "--stop-wait-s", "300")
     long = api(svc, "POST", "/v1/jobs", "mallory", json={
         "name": "long", "training": {"batch_size": 32, "max_steps": 100000, "log_interval_steps": 5},
-        "distributed": {"num_workers": 1, "use_gpu": False}, "checkpoint": {"interval": 100000},
+        "distributed": {"num_workers": 1, "use_gpu": False}, "checkpoint": {"interval": 20},
         "model": {"factory": "slowpkg:busy_model", "options": {"compute_s": 0.05}},
         "data": {"factory": "userpkg:make_data"}})
     assert long.status_code == 201, long.text
     job_id = long.json()["id"]
-    wait_for(lambda: (api(svc, "GET", f"/v1/jobs/{job_id}/metrics", "mallory").json()["rows"] or [{}])[-1].get("step"),
-             240, "the job to train")
+    def training():
+        record = api(svc, "GET", f"/v1/jobs/{job_id}", "mallory").json()
+        assert record["state"] in ("PENDING", "RUNNING"), (record, api(svc, "GET", f"/v1/jobs/{job_id}/logs",
+                                                                       "mallory").text[-3000:])
+        return api(svc, "GET", f"/v1/jobs/{job_id}/metrics", "mallory").json()["rows"]
+    wait_for(training, 240, "the job's first metrics (written at its checkpoints)")
     asked_at = time.monotonic()
     assert api(svc, "POST", f"/v1/jobs/{job_id}/stop", "mallory").status_code == 202
     done = wait_done(svc, job_id, "mallory")
