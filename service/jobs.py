@@ -364,6 +364,18 @@ class JobManager:
             run["data"] = dict(section, source=in_tenant_data(section["source"], troot.uri))
         return Checked(name, run, slots, footprint)
 
+    def limits_of_record(self, record: Record, role: str) -> list[str]:
+        """What a stored record asks for over ``role``'s maxima of today (every trial of a sweep)."""
+        with refs_not_imported():
+            if record.kind == "sweep":
+                from trainers.sweep import plan_from_data
+
+                specs = trial_specs(plan_from_data(record.spec, "sweep"))
+            else:
+                specs = [validate(record.spec)]
+        limits = self.settings.role_limits[role]
+        return list(dict.fromkeys(p for spec in specs for p in limit_problems(role, spec, limits)))
+
     def quota(self, tenant: str) -> int:
         return self.settings.tenant_quotas.get(tenant, self.settings.max_active_per_tenant)
 
@@ -408,15 +420,12 @@ class JobManager:
                 if bound["id"] != record_id:
                     return self._replay(bound, body_sha256), False
             troot = self.tenant_root(tenant)
-            spec_bytes = json.dumps(run, indent=2, sort_keys=True).encode()
-            specs = self.specs_root(tenant)
-            specs.write_bytes(spec_bytes, f"{record_id}.json")
+            spec_uri, spec_sha256 = self.store_spec(tenant, record_id, run)
             if kind == "job":  # goodput counts from here, queueing included
                 troot.write_json({"submitted_at": time.time()}, record_id, "job.json")
             now = time.time()
             record = Record(id=record_id, kind=kind, tenant=tenant, name=name, spec=run,
-                            spec_uri=specs.uri_of(f"{record_id}.json"),
-                            spec_sha256=hashlib.sha256(spec_bytes).hexdigest(),
+                            spec_uri=spec_uri, spec_sha256=spec_sha256,
                             storage=troot.uri_of(self.run_folder_for(kind, record_id)), slots=slots,
                             cpus=checked.footprint.cpus, gpus=checked.footprint.gpus,
                             state_key=new_key() if kind == "sweep" else None,
@@ -461,8 +470,23 @@ class JobManager:
         env[STATE_KEY_ENV] = record.state_key or ""
         return env
 
+    def store_spec(self, tenant: str, record_id: str, spec: dict) -> tuple[str, str]:
+        """Write the spec the service checked where the tenant's keys do not write; (its URI, its SHA-256)."""
+        data = json.dumps(spec, indent=2, sort_keys=True).encode()
+        specs = self.specs_root(tenant)
+        specs.write_bytes(data, f"{record_id}.json")
+        return specs.uri_of(f"{record_id}.json"), hashlib.sha256(data).hexdigest()
+
     def submit(self, record: Record, reason: str = "submitted to Ray") -> Record:
-        """Start the record's next attempt. The submission id is saved before Ray hears of it."""
+        """Start the record's next attempt. The submission id is saved before Ray hears of it.
+
+        Every attempt runs the service's own copy of the spec, written anew with its digest: a record
+        made before specs were stored apart (in the tenant's prefix, with no digest) never runs the
+        file its tenant could have rewritten since. A sweep without a key for its Tune state gets one,
+        so Tune's unsigned state from before is refused on resume rather than unpickled."""
+        record.spec_uri, record.spec_sha256 = self.store_spec(record.tenant, record.id, record.spec)
+        if record.kind == "sweep" and not record.state_key:
+            record.state_key = new_key()
         record.submissions.append(f"etrain-{record.id}-{len(record.submissions)}")
         self.store.save(record)
         return self._send(record, reason)
@@ -638,6 +662,8 @@ class JobManager:
             problems = policy_problems(who.role, record.spec, self.settings.allowed_factories,
                                        self.tenant_root(record.tenant).uri,
                                        self.settings.tenant_data_uris.get(record.tenant, []))
+            if not problems:
+                problems = self.limits_of_record(record, who.role)
             if problems:
                 raise Forbidden(problems)
             self.check_quota(record.tenant, record.slots, Footprint(record.cpus, record.gpus))

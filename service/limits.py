@@ -25,8 +25,9 @@ class RoleLimits(BaseModel):
     max_workers: int | None = Field(None, gt=0, description="distributed.num_workers (the top of a range)")
     max_cpus_per_worker: float | None = Field(None, gt=0, description="distributed.resources_per_worker.CPU")
     max_gpus_per_worker: float | None = Field(None, ge=0, description="distributed.resources_per_worker.GPU")
-    max_custom_resource_per_worker: float | None = Field(
-        None, ge=0, description="any other resource in distributed.resources_per_worker")
+    custom_resources: bool = Field(
+        True, description="whether distributed.resources_per_worker may name resources besides CPU and GPU (a "
+                          "'node:<ip>' pin, the head's own resource that job drivers wait for, ...)")
     max_loader_workers: int | None = Field(None, ge=0, description="data.num_workers (loader processes per worker)")
     max_prefetch_factor: int | None = Field(None, gt=0, description="data.prefetch_factor")
     max_shuffle_window_row_groups: int | None = Field(None, gt=0, description="data.shuffle_window_row_groups")
@@ -42,13 +43,19 @@ class RoleLimits(BaseModel):
                                                              "any limit)")
     max_timeout_s: int | None = Field(None, gt=0, description="distributed.timeout_s")
     max_profile_steps: int | None = Field(None, gt=0, description="training.profile.num_steps")
+    max_wait_s: float | None = Field(
+        None, gt=0, description="fault_tolerance.worker_start_timeout_s, distributed.resize_check_interval_s and "
+                                "resize_checkpoint_timeout_s")
+    max_checkpoints_kept: int | None = Field(None, gt=0, description="checkpoint.num_to_keep (null, all, is over "
+                                                                     "any limit)")
 
 
 # A `user` runs built-in work on shared hardware: bounds a real fine-tune fits in, far below what
 # would let one request ask the autoscaler for a fleet. `code` and `admin` are the operator's to bound.
 DEFAULT_ROLE_LIMITS: dict[str, RoleLimits] = {
     "user": RoleLimits(max_workers=16, max_cpus_per_worker=16, max_gpus_per_worker=1,
-                       max_custom_resource_per_worker=1, max_loader_workers=8, max_prefetch_factor=8,
+                       custom_resources=False, max_wait_s=3600, max_checkpoints_kept=20,
+                       max_loader_workers=8, max_prefetch_factor=8,
                        max_shuffle_window_row_groups=64, max_tokens_per_batch=1 << 20, max_batch_size=1 << 16,
                        max_steps=10_000_000, max_epochs=10_000, max_model_width=8192, max_model_layers=64,
                        max_heads=128, max_seq_len=32_768, max_failures=20, max_timeout_s=7200, max_profile_steps=100),
@@ -80,6 +87,9 @@ BOUNDED_FIELDS = (
     ("model.max_seq_len", "max_seq_len", "shorter sequences"),
     ("distributed.timeout_s", "max_timeout_s", "a shorter timeout"),
     ("training.profile.num_steps", "max_profile_steps", "fewer traced steps"),
+    ("fault_tolerance.worker_start_timeout_s", "max_wait_s", "a shorter wait"),
+    ("distributed.resize_check_interval_s", "max_wait_s", "a shorter interval"),
+    ("distributed.resize_checkpoint_timeout_s", "max_wait_s", "a shorter wait"),
 )
 
 
@@ -99,10 +109,17 @@ def limit_problems(role: str, spec, limits: RoleLimits, where: str = "") -> list
     failures, limit = spec.fault_tolerance.max_failures, limits.max_failures
     if limit is not None and (failures == -1 or failures > limit):
         over("fault_tolerance.max_failures", failures, limit, "a bounded number of retries")
+    kept, limit = spec.checkpoint.num_to_keep, limits.max_checkpoints_kept
+    if limit is not None and (kept is None or kept > limit):
+        over("checkpoint.num_to_keep", "null" if kept is None else kept, limit, "fewer checkpoints kept")
     for resource, amount in (spec.distributed.resources_per_worker or {}).items():
-        name = {"CPU": "max_cpus_per_worker", "GPU": "max_gpus_per_worker"}.get(resource,
-                                                                                 "max_custom_resource_per_worker")
-        limit = getattr(limits, name)
+        if resource not in ("CPU", "GPU"):
+            if not limits.custom_resources:
+                problems.append(f"{where}distributed.resources_per_worker.{resource}: not allowed for role {role!r}: "
+                                "workers ask for CPU and GPU only (a custom resource could pin nodes or hold what "
+                                "the cluster keeps for job drivers)")
+            continue
+        limit = getattr(limits, "max_cpus_per_worker" if resource == "CPU" else "max_gpus_per_worker")
         if limit is not None and amount > limit:
             over(f"distributed.resources_per_worker.{resource}", amount, limit, "less per worker")
     return problems
@@ -116,20 +133,29 @@ class Footprint:
     gpus: float
 
 
-def job_footprint(spec) -> Footprint:
-    """Every worker at the top of its range; a worker takes 1 CPU unless it says otherwise, and one GPU
-    when it may use GPUs (``use_gpu`` true or left to the cluster) unless it says how many."""
+def worker_footprint(spec) -> Footprint:
+    """What one worker holds: at least 1 CPU (a worker's process runs whatever fraction it asks for),
+    and one GPU when it may use GPUs (``use_gpu`` true or left to the cluster) unless it says how many."""
     d = spec.distributed
     per_worker = d.resources_per_worker or {}
-    cpus = per_worker.get("CPU", 1.0)
-    gpus = per_worker.get("GPU", 0.0 if d.use_gpu is False else 1.0)
-    return Footprint(cpus=d.max_workers * cpus, gpus=d.max_workers * gpus)
+    return Footprint(cpus=max(1.0, per_worker.get("CPU", 1.0)),
+                     gpus=per_worker.get("GPU", 0.0 if d.use_gpu is False else 1.0))
+
+
+def job_footprint(spec) -> Footprint:
+    """Every worker at the top of its range."""
+    worker = worker_footprint(spec)
+    return Footprint(cpus=spec.distributed.max_workers * worker.cpus, gpus=spec.distributed.max_workers * worker.gpus)
 
 
 def sweep_footprint(trial_specs: list, concurrent: int) -> Footprint:
-    """The largest trial, ``concurrent`` times over."""
-    prints = [job_footprint(s) for s in trial_specs]
-    return Footprint(cpus=concurrent * max(p.cpus for p in prints), gpus=concurrent * max(p.gpus for p in prints))
+    """``concurrent`` trials at the worst each field of the space allows, taken field by field: the most
+    workers of any trial, times the most any trial's worker holds (values of two keys combine in a
+    trial, so the largest listed trial alone may be smaller than a combination)."""
+    workers = max(s.distributed.max_workers for s in trial_specs)
+    per_worker = [worker_footprint(s) for s in trial_specs]
+    return Footprint(cpus=concurrent * workers * max(p.cpus for p in per_worker),
+                     gpus=concurrent * workers * max(p.gpus for p in per_worker))
 
 
 def quota_problem(tenant: str, held: Footprint, asked: Footprint, cpu_quota: float, gpu_quota: float) -> str | None:

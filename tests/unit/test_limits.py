@@ -17,9 +17,11 @@ USER = DEFAULT_ROLE_LIMITS["user"]
      ["distributed.num_workers: 64: over role 'user''s maximum of 16: ask for fewer workers"]),
     ({"distributed": {"num_workers": 2, "resources_per_worker": {"GPU": 8}}},
      ["distributed.resources_per_worker.GPU: 8.0: over role 'user''s maximum of 1.0"]),
-    ({"distributed": {"resources_per_worker": {"CPU": 64, "accelerator_type:H100": 4}}},
-     ["distributed.resources_per_worker.CPU: 64.0: over role 'user''s maximum of 16.0",
-      "distributed.resources_per_worker.accelerator_type:H100: 4.0: over role 'user''s maximum of 1.0"]),
+    ({"distributed": {"resources_per_worker": {"CPU": 64}}},
+     ["distributed.resources_per_worker.CPU: 64.0: over role 'user''s maximum of 16.0"]),
+    ({"fault_tolerance": {"worker_start_timeout_s": 1e300}, "distributed": {"resize_check_interval_s": 1e9}},
+     ["fault_tolerance.worker_start_timeout_s: 1e+300: over", "distributed.resize_check_interval_s: 1000000000.0"]),
+    ({"checkpoint": {"num_to_keep": None}}, ["checkpoint.num_to_keep: null: over role 'user''s maximum of 20"]),
     ({"data": {"num_workers": 64, "prefetch_factor": 1000, "shuffle_window_row_groups": 100000}},
      ["data.num_workers: 64: over", "data.prefetch_factor: 1000: over", "data.shuffle_window_row_groups: 100000: over"]),
     ({"model": {"name": "tiny_gpt", "d_model": 65536, "n_heads": 4, "n_layers": 1000, "max_seq_len": 1 << 20},
@@ -35,6 +37,18 @@ def test_a_user_job_over_a_maximum_names_the_field_value_and_limit(spec, expecte
     assert len(problems) == len(expected), problems
     for line, start in zip(problems, expected):
         assert line.startswith(start) and "(your operator sets role_limits)" in line, (line, start)
+
+
+def test_a_user_worker_asks_for_cpu_and_gpu_only():
+    """A custom resource could pin a node ('node:<ip>') or hold the head's own resource, which job
+    drivers wait for: refused for a user, counted for nobody."""
+    spec = validate({"distributed": {"resources_per_worker": {"CPU": 0.001, "head": 1, "node:10.0.0.1": 1}}})
+    problems = limit_problems("user", spec, USER)
+    assert problems == [f"distributed.resources_per_worker.{r}: not allowed for role 'user': workers ask for CPU and "
+                        "GPU only (a custom resource could pin nodes or hold what the cluster keeps for job drivers)"
+                        for r in ("head", "node:10.0.0.1")], problems
+    assert limit_problems("code", spec, DEFAULT_ROLE_LIMITS["code"]) == []
+    assert job_footprint(spec).cpus == 2  # a thousandth of a CPU still runs a process a worker: 1 each
 
 
 def test_admin_has_no_maximum_and_an_operator_sets_its_own():
@@ -53,10 +67,14 @@ def test_a_jobs_footprint_is_every_worker_at_the_top_of_its_range(distributed, c
     assert job_footprint(validate({"distributed": distributed})) == Footprint(cpus, gpus)
 
 
-def test_a_sweep_holds_its_largest_trial_times_its_concurrency():
-    small, big = validate({"distributed": {"num_workers": 1, "use_gpu": False}}), validate(
-        {"distributed": {"num_workers": 3, "use_gpu": False}})
-    assert sweep_footprint([small, big], 4) == Footprint(12, 0)
+def test_a_sweep_holds_the_worst_of_each_field_times_its_concurrency():
+    """Values of two keys combine in one trial: 16 workers from one key's list and 16 CPUs a worker from
+    another's make a 256-CPU trial that no single listed value shows."""
+    many = validate({"training": {"batch_size": 64}, "distributed": {"num_workers": 16, "use_gpu": False}})
+    wide = validate({"distributed": {"num_workers": 1, "use_gpu": False, "resources_per_worker": {"CPU": 16}}})
+    gpu = validate({"distributed": {"num_workers": 1, "use_gpu": True}})
+    assert sweep_footprint([many, wide], 4) == Footprint(4 * 16 * 16, 0)
+    assert sweep_footprint([many, gpu], 4) == Footprint(4 * 16, 4 * 16)
 
 
 def test_the_quota_counts_cpus_and_gpus_beside_what_is_held():

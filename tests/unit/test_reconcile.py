@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -322,3 +323,39 @@ def test_an_absolute_checkpoint_path_over_http_stays_in_the_tenants_folder(tmp_p
     home = job_home(validate(run))
     assert home.uri == mgr.tenant_root("team-a").uri_of("j-1")
     assert home.run_path.startswith(mgr.tenant_root("team-a").path("j-1") + "/")
+
+
+@pytest.mark.parametrize("kind", ["job", "sweep"])
+def test_a_record_from_before_checked_specs_runs_the_services_own_copy(tmp_path, kind):
+    """A record made when the checked spec lay in the tenant's own prefix, with no digest and (a sweep)
+    no key for its Tune state: its next attempt runs the service's copy, stored apart with its digest,
+    never the file its tenant could have rewritten, and a sweep gets a key (Tune's unsigned state is
+    then refused on resume rather than unpickled)."""
+    import hashlib
+    import json
+
+    from service.auth import Principal
+
+    client = FakeClient()
+    sent = []
+    client.submit_job = lambda **kw: sent.append(kw)
+    mgr = manager(tmp_path, client)
+    rid = f"{kind[0]}-abc"
+    spec = {"name": rid, "training": {"max_steps": 5}, **({"sweep": {"space": {"training.seed": {"choice": [1]}}}}
+                                                         if kind == "sweep" else {})}
+    old_file = tmp_path / "tenants" / "a" / "specs" / f"{rid}.json"
+    old_file.parent.mkdir(parents=True)
+    old_file.write_text(json.dumps({"name": rid, "model": {"factory": "subprocess:getoutput"}}))  # rewritten
+    now = time.time()
+    record = Record(id=rid, kind=kind, tenant="a", name="n", spec=spec, spec_uri=str(old_file), storage="/x",
+                    created_at=now, updated_at=now, submissions=[f"etrain-{rid}-0"])
+    record.move("STOPPED", "test")
+    mgr.store.save(record)
+    mgr.resume(record, Principal("a", "user"))
+    words = sent[-1]["entrypoint"].split()
+    uri = words[words.index("-m") + 2]
+    assert uri == str(tmp_path / "checked-specs" / "a" / f"{rid}.json")
+    stored = Path(uri).read_bytes()
+    assert json.loads(stored) == spec and words[words.index("--spec-sha256") + 1] == hashlib.sha256(stored).hexdigest()
+    key = sent[-1]["runtime_env"]["env_vars"]["ETRAIN_STATE_KEY"]
+    assert (len(key) == 64) if kind == "sweep" else key == ""
