@@ -134,7 +134,10 @@ class SharedRead:
                 with self._lock:
                     self._entries[key] = entry
                     self._entries.move_to_end(key)
-                    while len(self._entries) > self.max_keys:
+                    # Oldest first: drop what is past its moment (nobody would use it; it holds memory), then
+                    # the oldest beyond max_keys.
+                    while self._entries and (len(self._entries) > self.max_keys or
+                                             self.clock() - next(iter(self._entries.values()))[0] >= self.ttl_s):
                         old, _ = self._entries.popitem(last=False)
                         self._locks.pop(old, None)
         _, ok, value = entry

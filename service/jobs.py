@@ -585,11 +585,7 @@ class JobManager:
     def interruptions(self, record: Record) -> list[dict]:
         from trainers.recovery import INTERRUPTIONS_FILE
 
-        troot = self.tenant_root(record.tenant)
-        try:
-            rows = troot.read_json(record.id, INTERRUPTIONS_FILE) if troot.exists(record.id, INTERRUPTIONS_FILE) else []
-        except ValueError:  # the job writes this file: a damaged one lists nothing
-            return []
+        rows = read_tenant_json(self.tenant_root(record.tenant), record.id, INTERRUPTIONS_FILE)
         return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
     def profiles(self, record: Record) -> list[str]:
@@ -600,12 +596,8 @@ class JobManager:
         return [self.relative(record.tenant, uri) for uri in profiles_of(self.tenant_root(record.tenant), record.id)]
 
     def summary_of(self, record: Record) -> dict | None:
-        troot = self.tenant_root(record.tenant)
         parts = ("sweeps", record.id, "results.json") if record.kind == "sweep" else (record.id, "summary.json")
-        try:
-            summary = troot.read_json(*parts) if troot.exists(*parts) else None
-        except ValueError:  # the job writes this file: a damaged one is no summary
-            return None
+        summary = read_tenant_json(self.tenant_root(record.tenant), *parts)
         return summary if isinstance(summary, dict) else None
 
     # ------------------------------------------------------------ stop and resume
@@ -798,6 +790,26 @@ class JobManager:
         last = (record.summary or {})
         data["progress"] = {"step": last.get("final_step"), "target_step": last.get("target_step")}
         return _map_strings(data, lambda s: self.relative(record.tenant, s))
+
+
+# The most the service reads of one JSON file a job (so its tenant) writes: a summary, a sweep's results,
+# interruptions. Real ones are a few KB; a bigger one is not read (it would be held, stored and answered).
+TENANT_JSON_MAX_BYTES = 1 << 20
+
+
+def read_tenant_json(root: StorageRoot, *parts: str) -> Any:
+    """A JSON file from a tenant's prefix, or None when it is missing, over TENANT_JSON_MAX_BYTES,
+    or not JSON a reader can hold (malformed, nested past the parser's depth): the job writes these
+    files, so a damaged or hostile one reads as absent, never as an error of the service."""
+    import pyarrow.fs as pafs
+
+    info = root.fs.get_file_info(root.path(*parts))
+    if info.type != pafs.FileType.File or info.size > TENANT_JSON_MAX_BYTES:
+        return None
+    try:
+        return root.read_json(*parts)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _map_strings(value: Any, fn) -> Any:

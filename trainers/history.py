@@ -52,17 +52,28 @@ class MetricsHistory:
         self.root.write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode(), self.job, HISTORY_DIR, name)
 
 
-def read_history(root: StorageRoot, job: str) -> list[dict]:
-    """Every recorded step of a job, in step order; a step recorded twice keeps its latest row."""
+# The most of a job's history one read takes (its newest files): ~200,000 rows, far past what a chart
+# shows; the job (so its tenant) writes these files, and readers such as the service must stay bounded.
+HISTORY_MAX_BYTES = 32 << 20
+
+
+def read_history(root: StorageRoot, job: str, max_bytes: int = HISTORY_MAX_BYTES) -> list[dict]:
+    """Every recorded step of a job, in step order; a step recorded twice keeps its latest row.
+    At most ``max_bytes`` of files are read, the newest steps' (older files beyond are left out)."""
     import pyarrow.fs as pafs
 
     if not root.exists(job, HISTORY_DIR):
         return []
-    infos = root.fs.get_file_info(pafs.FileSelector(root.path(job, HISTORY_DIR)))
+    infos = [i for i in root.fs.get_file_info(pafs.FileSelector(root.path(job, HISTORY_DIR)))
+             if i.path.endswith(".jsonl") and i.type == pafs.FileType.File]
+    kept, budget = [], max_bytes
+    for info in sorted(infos, key=lambda i: i.path, reverse=True):
+        if info.size > budget:
+            break
+        budget -= info.size
+        kept.append(info)
     by_step: dict[int, dict] = {}
-    for info in sorted(infos, key=lambda i: i.path):
-        if not info.path.endswith(".jsonl"):
-            continue
+    for info in reversed(kept):
         with root.fs.open_input_stream(info.path) as f:
             for line in f.read().decode(errors="replace").splitlines():
                 row = _row(line)
@@ -73,6 +84,7 @@ def read_history(root: StorageRoot, job: str) -> list[dict]:
 
 FILE_NAME = re.compile(r"^(\d+)-(\d+)-\d+\.jsonl$")  # <first step>-<last step>-<ms>.jsonl, as ``write`` names it
 TAIL_BYTES = 256 * 1024  # of one file, enough for hundreds of rows at its end
+TAIL_BUDGET_BYTES = 4 << 20  # of all files one tail reads: files of no valid rows must not make it read them all
 
 
 def read_history_tail(root: StorageRoot, job: str, rows: int) -> list[dict]:
@@ -90,9 +102,11 @@ def read_history_tail(root: StorageRoot, job: str, rows: int) -> list[dict]:
         if m and info.type == pafs.FileType.File:
             named.append((int(m[2]), info))
     by_step: dict[int, dict] = {}
+    budget = TAIL_BUDGET_BYTES
     for last_step, info in sorted(named, key=lambda n: (-n[0], n[1].path)):
-        if len(by_step) >= rows and last_step < sorted(by_step)[-rows]:
+        if (len(by_step) >= rows and last_step < sorted(by_step)[-rows]) or budget <= 0:
             break
+        budget -= min(info.size, TAIL_BYTES)
         with root.fs.open_input_file(info.path) as f:
             start = max(0, info.size - TAIL_BYTES)
             f.seek(start)

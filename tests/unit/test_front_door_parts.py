@@ -232,6 +232,67 @@ def test_a_shared_read_shares_its_error_for_the_moment_and_stays_bounded():
     assert len(shared._entries) == 3 and len(shared._locks) <= 4
 
 
+def test_a_shared_read_lets_go_of_what_is_past_its_moment():
+    """A big answer (a history) read once must not stay held: entries older than the ttl go at the next read."""
+    clock = Clock()
+    shared = SharedRead(ttl_s=2.0, clock=clock)
+    shared.get("big", lambda: "x" * 1000)
+    clock.now += 3
+    shared.get("other", lambda: "y")
+    assert list(shared._entries) == ["other"]
+
+
+# ---------------------------------------------------------------- what a tenant's job writes, read bounded
+
+
+def test_files_a_tenant_writes_are_read_bounded_and_a_hostile_one_reads_as_absent(tmp_path):
+    """A job (so its tenant) writes its summary, interruptions and history: nested past the parser's
+    depth, oversized or full of junk, each reads as nothing, costs a bounded read, and breaks no listing."""
+    import json as json_
+
+    from cluster.storage import open_root
+    from service.jobs import TENANT_JSON_MAX_BYTES, read_tenant_json
+    from trainers import history
+
+    root = open_root(str(tmp_path))
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "j" / "big.json").write_text(json_.dumps({"pad": "x" * TENANT_JSON_MAX_BYTES}))
+    (tmp_path / "j" / "fine.json").write_text('{"status": "succeeded"}')
+    assert read_tenant_json(root, "j", "deep.json") is None
+    assert read_tenant_json(root, "j", "big.json") is None
+    assert read_tenant_json(root, "j", "missing.json") is None
+    assert read_tenant_json(root, "j", "fine.json") == {"status": "succeeded"}
+
+    metrics = tmp_path / "j" / "metrics"
+    metrics.mkdir()
+    for i in range(3):  # three files of 10 rows; a budget of two files' bytes reads the newest two
+        rows = "".join(json_.dumps({"step": 10 * i + k, "time": 1.0}) + "\n" for k in range(10))
+        (metrics / f"{10 * i:010d}-{10 * i + 9:010d}-1.jsonl").write_text(rows)
+    newest_two = sum((metrics / f"{10 * i:010d}-{10 * i + 9:010d}-1.jsonl").stat().st_size for i in (1, 2))
+    assert [r["step"] for r in history.read_history(root, "j", max_bytes=newest_two)] == list(range(10, 30))
+    assert len(history.read_history(root, "j")) == 30
+    for i in range(400):  # files of no valid rows, named as the job names them, each ~1 KB
+        (metrics / f"{1000 + i:010d}-{1000 + i:010d}-1.jsonl").write_text("junk\n" * 200)
+    read = []
+    real_open = root.fs.open_input_file
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(root.fs, name)
+
+        def open_input_file(self, path):
+            read.append(path)
+            return real_open(path)
+    counted = type(root)(uri=root.uri, fs=Counting(), base=root.base)
+    history.TAIL_BUDGET_BYTES, saved = 64 * 1024, history.TAIL_BUDGET_BYTES
+    try:
+        assert history.read_history_tail(counted, "j", 16) == []
+    finally:
+        history.TAIL_BUDGET_BYTES = saved
+    assert len(read) <= 64 * 1024 // 1000 + 1  # the budget (64 KiB of 1 KB files) stops it, not the 403 files
+
+
 # ---------------------------------------------------------------- the jobs list, paged
 
 
