@@ -364,13 +364,15 @@ async def ui_login(request: Request):
         return page(web.login_page(refusal), 403)
     address = request.client.host if request.client else "(unknown)"
     limiter: LoginLimiter = _state["login_limiter"]
-    wait_s = limiter.retry_after_s(address)
-    if wait_s is not None:
-        return page(web.login_page(f"too many failed sign-ins from {address}: try again in {wait_s} s"), 429,
-                    {"Retry-After": str(wait_s)})
     raw = await read_body(request, LOGIN_BODY_BYTES, "form")
     token = (parse_qs(raw.decode(errors="replace")).get("token") or [""])[0]
+    # A right token always signs in: guesses from one address (a NAT, a proxy) must not lock out the
+    # people behind it. Guesses past the limit are told to wait.
     if _state["tokens"].authenticate(token) is None:
+        wait_s = limiter.retry_after_s(address)
+        if wait_s is not None:
+            return page(web.login_page(f"too many failed sign-ins from {address}: try again in {wait_s} s"), 429,
+                        {"Retry-After": str(wait_s)})
         limiter.failed(address)
         return page(web.login_page("unknown token"), 401)
     response = RedirectResponse("/", status_code=303, headers=web.HEADERS)

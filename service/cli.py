@@ -168,7 +168,7 @@ class ApiError(Exception):
     def render(self) -> str:
         lines = [f"error {self.status}: {self.body.get('detail')}"]
         lines += [f"  - {p}" for p in self.body.get("problems") or []]
-        return "\n".join(lines)
+        return terminal_safe("\n".join(lines))  # problems echo a tenant's values
 
 
 class Client:
@@ -255,13 +255,19 @@ def cmd_records(args: argparse.Namespace) -> int:
         if args.action == "metrics":
             out = c.call("GET", f"/v1/{plural}/{args.id}/metrics").json()
             return _show(args, out, lambda: "\n".join(
-                f"step {r['step']:>7}  loss {r.get('loss', float('nan')):.4f}  {r.get('samples_per_s', 0):.0f} samples/s"
+                f"step {r['step']!s:>7}  loss {number(r.get('loss'), '.4f')}  {number(r.get('samples_per_s'), '.0f')} "
+                "samples/s"
                 for r in out["rows"]) or "(no metrics yet)")
         out = c.call("GET", f"/v1/{plural}/{args.id}").json()
         return _show(args, out, lambda: details(out))
     except ApiError as exc:
         print(exc.render(), file=sys.stderr)
         return 1
+
+
+def number(value, spec: str) -> str:
+    """A metric as written, or '-': a job writes its history, so a row may hold anything."""
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
 
 
 def _show(args: argparse.Namespace, out, render) -> int:

@@ -195,6 +195,24 @@ def test_a_tenants_text_reaches_an_admins_terminal_as_text(capsys):
         assert "\\x1b" in out
     _show(argparse.Namespace(json=True), {"name": evil}, lambda: "")
     assert "\x1b" not in capsys.readouterr().out  # JSON escapes them itself
+    from service.cli import ApiError
+
+    rendered = ApiError(422, {"detail": "invalid spec", "problems": [f"name: {evil}: use lowercase"]}).render()
+    assert "\x1b" not in rendered and "\\x1b" in rendered
+
+
+def test_jobs_metrics_shows_a_hostile_row_as_dashes(monkeypatch, capsys):
+    """The job writes its history: a row whose loss is text must not crash the admin's command."""
+    from service import cli
+
+    class Answer:
+        def json(self):
+            return {"id": "j-1", "rows": [{"step": 10, "loss": "<b>", "samples_per_s": None}, {"step": 20, "loss": 0.5,
+                                                                                             "samples_per_s": 12.0}]}
+    monkeypatch.setattr(cli.Client, "call", lambda self, *a, **k: Answer())
+    assert cli.main(["jobs", "metrics", "j-1", "--token", "t"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["step      10  loss -  - samples/s", "step      20  loss 0.5000  12 samples/s"], out
 
 
 def test_jobs_get_is_a_field_a_line_within_80_columns():
