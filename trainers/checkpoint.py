@@ -173,9 +173,15 @@ def list_checkpoints(fs: pafs.FileSystem, run_path: str) -> list[dict]:
 
 
 def read_manifest(fs: pafs.FileSystem, path: str) -> dict:
-    """A checkpoint folder's manifest, unverified (:func:`verify` hashes every file)."""
+    """A checkpoint folder's manifest, unverified (:func:`verify` hashes every file). The files it
+    names are plain names in the folder (ValueError otherwise): storage is writable by more than
+    our jobs, and a name like '/x' or '../x' would read outside the checkpoint."""
     with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
-        return json.loads(f.read())
+        manifest = json.loads(f.read())
+    names = [manifest.get("state_file"), *(manifest.get("files") or {})] if isinstance(manifest, dict) else [None]
+    if not all(isinstance(n, str) and n not in ("", ".", "..") and posixpath.basename(n) == n for n in names):
+        raise ValueError("the manifest names a file outside its checkpoint's folder")
+    return manifest
 
 
 def load_state(fs: pafs.FileSystem, path: str, map_location: str = "cpu") -> dict:

@@ -467,3 +467,34 @@ def test_gather_on_one_worker_is_its_own_record(tmp_path):
     for _ in range(3):
         feed.next()
     assert accounting.gather(feed, 1, 3) == planned(plan, 0, 3, 1)
+
+
+def test_a_loader_setting_from_a_checkpoint_is_one_of_the_ladders_or_none():
+    """A checkpoint is data (storage is writable by more than our jobs): a saved setting of 4096 loader
+    processes is not started; the feed tunes again from the ladder's first step."""
+    source = PairsSource(SlowItems(64, 0.0))
+    plan = BatchPlan(len(source), 16, seed=0, group_sizes=source.group_sizes)
+    steps = StepMicroBatches(plan, 0, 1, 16)
+    for forged in ({"num_workers": 4096, "prefetch_factor": 1 << 20}, {"num_workers": "8"}, {}):
+        feed = Feed(source, steps, 0, 2, "auto", 2, torch.device("cpu"), tuned=forged)
+        assert feed.setting == ladder()[0] and feed.tuning, (forged, feed.setting)
+    kept = Feed(source, steps, 0, 2, "auto", 2, torch.device("cpu"), tuned={"num_workers": 0, "prefetch_factor": 2})
+    assert kept.setting == LoaderSetting(0, 2) and not kept.tuning
+
+
+def test_a_manifest_names_only_files_in_its_checkpoints_folder(tmp_path):
+    import json
+
+    import pyarrow.fs as pafs
+
+    from trainers.checkpoint import MANIFEST, read_manifest
+
+    folder = tmp_path / "checkpoint_000001"
+    folder.mkdir()
+    for names in ({"state_file": "/etc/passwd", "files": {}}, {"state_file": "s.pt", "files": {"../x": {}}},
+                  {"state_file": "..", "files": {}}, ["s.pt"]):
+        (folder / MANIFEST).write_text(json.dumps(names))
+        with pytest.raises(ValueError, match="names a file outside its checkpoint's folder"):
+            read_manifest(pafs.LocalFileSystem(), str(folder))
+    (folder / MANIFEST).write_text(json.dumps({"state_file": "s.pt", "files": {"s.pt": {"size": 1}}}))
+    assert read_manifest(pafs.LocalFileSystem(), str(folder))["state_file"] == "s.pt"

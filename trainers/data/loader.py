@@ -130,8 +130,12 @@ class Feed:
         self.announce = announce or (lambda line: None)
         self.auto = num_workers == "auto"
         self.options = ladder()
-        if self.auto and tuned:
-            self.setting = LoaderSetting(tuned["num_workers"], tuned["prefetch_factor"])
+        saved = (LoaderSetting(tuned.get("num_workers"), tuned.get("prefetch_factor"))
+                 if self.auto and isinstance(tuned, dict) else None)
+        if saved is not None and saved not in self.options:  # a checkpoint is data: only a setting of the ladder
+            saved, tuned = None, None
+        if saved is not None:
+            self.setting = saved
         else:
             self.setting = self.options[0] if self.auto else LoaderSetting(int(num_workers), prefetch_factor)
         self.tuning = self.auto and not tuned
