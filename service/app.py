@@ -18,6 +18,7 @@ docs at /docs are a page of our own: no third-party script on the service's orig
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import re
 import threading
@@ -187,11 +188,21 @@ def add_routes(kind: str) -> None:
             except RayUnavailable as exc:
                 raise HTTPException(404 if exc.missing else 503, str(exc)) from None
 
+        following = _state["following"]
+        cap = limits().follow_streams_per_tenant
+        if following[who.tenant] >= cap:
+            raise HTTPException(429, f"tenant {who.tenant!r} follows {following[who.tenant]} logs at once, the most "
+                                     f"it may ({cap}): stop following one, or read the tail without follow")
+
         async def stream():
-            if not record.submissions:
-                return
-            async for chunk in manager().client.tail_job_logs(record.submissions[-1]):
-                yield manager().relative(record.tenant, chunk)
+            following[who.tenant] += 1  # counted while it runs: an answer never started holds nothing
+            try:
+                if not record.submissions:
+                    return
+                async for chunk in manager().client.tail_job_logs(record.submissions[-1]):
+                    yield manager().relative(record.tenant, chunk)
+            finally:
+                following[who.tenant] -= 1
         return StreamingResponse(stream(), media_type="text/plain")
 
     @app.post(base + "/{record_id}/stop", response_model=RecordOut, status_code=202, responses=ERRORS,
@@ -441,6 +452,7 @@ def configure(settings: ServiceSettings, tokens: Tokens, client=None, http: Http
     _state["manager"] = mgr = JobManager(settings, client)
     _state["tokens"] = tokens
     _state["limits"] = http = http or HttpLimits()
+    _state["following"] = collections.Counter()  # tenant -> logs it follows now (one event loop: no lock)
     _state["login_limiter"] = LoginLimiter(http.login_failures, http.login_window_s, http.login_addresses)
     _state["logs"], _state["histories"] = SharedRead(http.read_cache_s), SharedRead(http.read_cache_s)
     _state["metrics"] = metrics = ServiceMetrics()

@@ -132,6 +132,8 @@ HTTP_FLAGS = {  # flag -> (HttpLimits field, type, help); defaults are HttpLimit
     "--login-addresses": ("login_addresses", int, "client addresses whose failed sign-ins are remembered, the "
                                                   "oldest forgotten first"),
     "--read-cache-s": ("read_cache_s", float, "a record's Ray log and metrics are read at most once per this"),
+    "--follow-streams-per-tenant": ("follow_streams_per_tenant", int, "logs one tenant may follow at once (each "
+                                                                      "holds a request slot); more get 429"),
 }
 
 

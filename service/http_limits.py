@@ -33,5 +33,7 @@ class HttpLimits(BaseModel):
     max_metrics_points: int = Field(
         2000, ge=2, description="most rows one metrics answer or chart carries (first and last kept, evenly spaced)")
     jobs_page_rows: int = Field(50, ge=1, description="jobs per page of the web list")
+    follow_streams_per_tenant: int = Field(
+        4, ge=1, description="logs one tenant may follow at once (each holds a request slot until it ends); more: 429")
     read_cache_s: float = Field(
         2.0, ge=0, description="a record's Ray log and metrics are read at most once per this, however many ask")

@@ -342,3 +342,65 @@ def test_serve_flags_set_the_limits_and_name_the_flag_when_wrong():
     args.max_metrics_points = 1
     with pytest.raises(ValueError, match=r"--max-metrics-points 1: Input should be greater than or equal to 2"):
         http_limits(args)
+
+
+# ---------------------------------------------------------------- followed logs per tenant
+
+
+def test_a_tenant_follows_only_so_many_logs_at_once(tmp_path):
+    """Each followed log holds a request slot until it ends: one token must not take them all."""
+    import asyncio
+
+    from fastapi import HTTPException
+
+    from service import app
+    from service.auth import Principal, Tokens
+    from service.http_limits import HttpLimits
+    from service.jobs import JobManager, ServiceSettings
+    from service.store import Record
+
+    release = None
+
+    class Ray:
+        async def tail_job_logs(self, sid):
+            yield "a line\n"
+            await release.wait()
+
+        def get_job_status(self, sid):
+            raise ConnectionError("not here")
+
+    settings = ServiceSettings(storage_root=str(tmp_path / "root"), state_dir=str(tmp_path / "state"),
+                               ray_dashboard_url="http://127.0.0.1:1", reconcile_interval_s=3600)
+    record = Record(id="j-000000000001", kind="job", tenant="a", name="n", spec={}, spec_uri="x", storage="y",
+                    created_at=0.0, updated_at=0.0, submissions=["etrain-j-000000000001-0"])
+    JobManager(settings, Ray()).store.save(record)
+    stop = app.configure(settings, Tokens([]), client=Ray(), http=HttpLimits(follow_streams_per_tenant=2))
+    logs = next(r.endpoint for r in app.app.routes if getattr(r, "path", "") == "/v1/jobs/{record_id}/logs")
+
+    async def scenario():
+        nonlocal release
+        release = asyncio.Event()
+        alice, alices_other_token = Principal("a", "user"), Principal("a", "admin")
+
+        async def follow(who):
+            answer = await logs(record_id=record.id, tail=10, follow=True, who=who)
+            body = answer.body_iterator
+            assert await body.__anext__() == "a line\n"
+            return body
+        held = [await follow(alice), await follow(alice)]
+        with pytest.raises(HTTPException) as refused:
+            await follow(alice)
+        assert refused.value.status_code == 429
+        assert refused.value.detail == ("tenant 'a' follows 2 logs at once, the most it may (2): stop following one, "
+                                        "or read the tail without follow")
+        await held[0].aclose()  # a client that goes away frees its slot
+        held[0] = await follow(alices_other_token)  # counted per tenant, whatever the token
+        release.set()
+        for body in held:
+            with pytest.raises(StopAsyncIteration):
+                await body.__anext__()
+        assert app._state["following"]["a"] == 0
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop.set()
