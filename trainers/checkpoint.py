@@ -166,9 +166,11 @@ def list_checkpoints(fs: pafs.FileSystem, run_path: str) -> list[dict]:
             manifest = read_manifest(fs, info.path)
         except (OSError, ValueError):
             manifest = None
+        files = (manifest or {}).get("files", {}).values()
+        metrics = (manifest or {}).get("metrics", {})
         out.append({"step": step, "path": info.path, "complete": manifest is not None,
-                    "metrics": (manifest or {}).get("metrics", {}),
-                    "size_bytes": sum(m["size"] for m in (manifest or {}).get("files", {}).values())})
+                    "metrics": metrics if isinstance(metrics, dict) else {},
+                    "size_bytes": sum(m["size"] for m in files if isinstance(m, dict) and type(m.get("size")) is int)})
     return sorted(out, key=lambda c: c["step"])
 
 
@@ -178,7 +180,9 @@ def read_manifest(fs: pafs.FileSystem, path: str) -> dict:
     our jobs, and a name like '/x' or '../x' would read outside the checkpoint."""
     with fs.open_input_stream(posixpath.join(path, MANIFEST)) as f:
         manifest = json.loads(f.read())
-    names = [manifest.get("state_file"), *(manifest.get("files") or {})] if isinstance(manifest, dict) else [None]
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+        raise ValueError("the manifest is not a mapping of a state file and its files")
+    names = [manifest.get("state_file"), *manifest.get("files", {})]
     if not all(isinstance(n, str) and n not in ("", ".", "..") and posixpath.basename(n) == n for n in names):
         raise ValueError("the manifest names a file outside its checkpoint's folder")
     return manifest

@@ -93,7 +93,12 @@ def test_an_unreadable_checkpoint_does_not_replace_the_failure_in_the_summary(tm
         f.write(b"[1, 2]")
     said: list[str] = []
     assert launch.resume_point(home, said.append) == ({}, None)
-    assert said and "could not read the newest checkpoint for the summary (AttributeError" in said[0], said
+    listed = ckpt.list_checkpoints(home.root.fs, home.run_path)
+    assert [(c["step"], c["complete"]) for c in listed] == [(30, False)]  # a damaged manifest: not complete
+    with home.root.fs.open_output_stream(posixpath.join(home.run_path, ckpt.dir_name(30), ckpt.MANIFEST)) as f:
+        f.write(b'{"state_file": "s.pt", "files": {"s.pt": {"size": "big"}}, "metrics": [1]}')
+    listed = ckpt.list_checkpoints(home.root.fs, home.run_path)  # what the service lists: no crash
+    assert (listed[0]["size_bytes"], listed[0]["metrics"]) == (0, {})
 
 
 def test_a_user_error_within_the_budget_is_retried_and_the_job_goes_on(tmp_path, monkeypatch):

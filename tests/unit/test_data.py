@@ -492,9 +492,12 @@ def test_a_manifest_names_only_files_in_its_checkpoints_folder(tmp_path):
     folder = tmp_path / "checkpoint_000001"
     folder.mkdir()
     for names in ({"state_file": "/etc/passwd", "files": {}}, {"state_file": "s.pt", "files": {"../x": {}}},
-                  {"state_file": "..", "files": {}}, ["s.pt"]):
+                  {"state_file": "..", "files": {}}):
         (folder / MANIFEST).write_text(json.dumps(names))
         with pytest.raises(ValueError, match="names a file outside its checkpoint's folder"):
             read_manifest(pafs.LocalFileSystem(), str(folder))
+    (folder / MANIFEST).write_text(json.dumps(["s.pt"]))
+    with pytest.raises(ValueError, match="not a mapping of a state file and its files"):
+        read_manifest(pafs.LocalFileSystem(), str(folder))
     (folder / MANIFEST).write_text(json.dumps({"state_file": "s.pt", "files": {"s.pt": {"size": 1}}}))
     assert read_manifest(pafs.LocalFileSystem(), str(folder))["state_file"] == "s.pt"
