@@ -41,8 +41,7 @@ from service.jobs import (Conflict, Forbidden, JobManager, QuotaExceeded, RayUna
                           jobs_headers)
 from service.schemas import CheckpointOut, Health, MetricsOut, Problem, RecordList, RecordOut
 from service.store import ID_PATTERN, Record
-from trainers.config import SpecError, parse_text
-from trainers.history import read_history_tail
+from trainers.api import SpecError, parse_text, read_history_tail
 
 # FastAPI's own /docs and /redoc load scripts from a CDN on this origin: ours (below) loads none.
 app = FastAPI(title="elastic-train", version="1", docs_url=None, redoc_url=None,

@@ -29,7 +29,7 @@ from urllib.parse import unquote, urlparse
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from trainers.sweep import trial_spec_view
+from trainers.api import trial_spec_view
 
 
 TENANT_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"

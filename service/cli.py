@@ -11,8 +11,8 @@ import sys
 import time
 import uuid
 
+from trainers.api import SpecError, apply_overrides, read_spec_file
 from trainers.cli import build_parser
-from trainers.config import SpecError, apply_overrides, read_spec_file
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 CLIENT_EXAMPLES = """examples:
@@ -38,7 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.isolation import IsolationError, check_code_tenants
     from service.jobs import jobs_headers
     from service.store import Store
-    from trainers.launch import ensure_ray, release_ray
+    from trainers.api import release_local_ray, start_local_ray
 
     storage_root = args.storage_root or default_root()
     try:
@@ -48,11 +48,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (TokenConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    started_ray = ensure_ray(args.cpus)
+    started_ray = start_local_ray(args.cpus)
     if started_ray and args.detach:
         print("error: --detach needs a running cluster (ray start / ray up): this Ray would stop with this "
               "process", file=sys.stderr)
-        release_ray(started_ray)
+        release_local_ray(started_ray)
         return 2
     printed = None
     if not entries:
@@ -65,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            jobs_headers(settings), own_url=_dashboard_url())
     except (IsolationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        release_ray(started_ray)
+        release_local_ray(started_ray)
         return 2
     serve.start(http_options=http_options(args.host, args.port, http))
     serve.run(application(settings.model_dump(), [e.model_dump(exclude={"token"}) for e in entries], http),
@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     while not stop["now"]:
         time.sleep(0.5)
     serve.shutdown()
-    release_ray(started_ray)
+    release_local_ray(started_ray)
     return 0
 
 

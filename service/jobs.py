@@ -43,10 +43,8 @@ from service.limits import (DEFAULT_ROLE_LIMITS, Footprint, RoleLimits, job_foot
                             sweep_footprint)
 from service.ray_clients import dashboard_client
 from service.store import ACTIVE, TERMINAL, Record, Store, new_id
-from trainers import checkpoint as ckpt
-from trainers.config import NAME_PATTERN, SpecError, refs_not_imported, validate
-from trainers.history import read_history
-from trainers.recovery import StopFlag
+from trainers import api as trainers
+from trainers.api import NAME_PATTERN, SpecError
 
 ENTRY_MODULES = {"job": "trainers.train", "sweep": "trainers.sweep"}
 STATE_DIR_ENV = "ETRAIN_STATE_DIR"
@@ -121,9 +119,7 @@ class ServiceSettings(BaseModel):
     @field_validator("allowed_factories")
     @classmethod
     def _exact_refs(cls, refs: list[str]) -> list[str]:
-        from trainers.config import REF_PATTERN
-
-        bad = [r for r in refs if not re.fullmatch(REF_PATTERN, r)]
+        bad = [r for r in refs if not re.fullmatch(trainers.REF_PATTERN, r)]
         if bad:
             raise ValueError(f"allowed_factories: {bad[0]!r} is not 'package.module:function': name each factory "
                              "exactly, e.g. 'acme_models.vision:make_resnet'")
@@ -171,17 +167,6 @@ class Checked:
     run: dict
     slots: int
     footprint: Footprint
-
-
-def trial_specs(plan) -> list:
-    """The base job spec and one trial spec per value a sweep lists (both ends of a range): what any
-    trial may ask for is among them, field by field."""
-    from trainers.sweep import candidate_values, trial_spec_view
-
-    specs = [plan.spec]
-    for key, domain in plan.sweep.space.items():
-        specs.extend(validate(trial_spec_view(plan.base, key, v)) for v in candidate_values(domain))
-    return specs
 
 
 class Forbidden(Exception):
@@ -335,27 +320,24 @@ class JobManager:
         run["labels"] = {**(run.get("labels") if isinstance(run.get("labels"), dict) else {}), "tenant": tenant}
         slots = 1
         limits = self.settings.role_limits[who.role]
-        with refs_not_imported():
-            if kind == "sweep":
-                from trainers.sweep import plan_from_data
-
-                sweep = run.get("sweep")
-                if isinstance(sweep, dict) and sweep.get("base"):
-                    raise SpecError([f"sweep.base: {sweep['base']!r}: not available over HTTP: put the job spec's "
-                                     "sections in the same body"])
-                plan = plan_from_data(run, "sweep")
-                trials, cap = sweep_trials(plan.sweep), self.settings.max_sweep_trials.get(who.role, 0)
-                if trials > cap:
-                    raise QuotaExceeded(f"sweep.num_samples: this sweep runs {trials} trials, role {who.role!r} may "
-                                        f"run at most {cap} per sweep: lower num_samples or the grid")
-                slots = min(plan.sweep.max_concurrent_trials, trials)
-                specs = trial_specs(plan)
-                footprint = sweep_footprint(specs, slots)
-            elif "sweep" in run:
-                raise SpecError(["sweep: a job takes no sweep section: POST it to /v1/sweeps"])
-            else:
-                specs = [validate(run)]
-                footprint = job_footprint(specs[0])
+        if kind == "sweep":
+            sweep = run.get("sweep")
+            if isinstance(sweep, dict) and sweep.get("base"):
+                raise SpecError([f"sweep.base: {sweep['base']!r}: not available over HTTP: put the job spec's "
+                                 "sections in the same body"])
+            plan = trainers.check_sweep(run)
+            trials, cap = sweep_trials(plan.sweep), self.settings.max_sweep_trials.get(who.role, 0)
+            if trials > cap:
+                raise QuotaExceeded(f"sweep.num_samples: this sweep runs {trials} trials, role {who.role!r} may "
+                                    f"run at most {cap} per sweep: lower num_samples or the grid")
+            slots = min(plan.sweep.max_concurrent_trials, trials)
+            specs = trainers.trial_specs(plan)
+            footprint = sweep_footprint(specs, slots)
+        elif "sweep" in run:
+            raise SpecError(["sweep: a job takes no sweep section: POST it to /v1/sweeps"])
+        else:
+            specs = [trainers.check_job(run)]
+            footprint = job_footprint(specs[0])
         over = [p for s in specs for p in limit_problems(who.role, s, limits) if p]
         if over:
             raise Forbidden(list(dict.fromkeys(over)))
@@ -366,13 +348,10 @@ class JobManager:
 
     def limits_of_record(self, record: Record, role: str) -> list[str]:
         """What a stored record asks for over ``role``'s maxima of today (every trial of a sweep)."""
-        with refs_not_imported():
-            if record.kind == "sweep":
-                from trainers.sweep import plan_from_data
-
-                specs = trial_specs(plan_from_data(record.spec, "sweep"))
-            else:
-                specs = [validate(record.spec)]
+        if record.kind == "sweep":
+            specs = trainers.trial_specs(trainers.check_sweep(record.spec))
+        else:
+            specs = [trainers.check_job(record.spec)]
         limits = self.settings.role_limits[role]
         return list(dict.fromkeys(p for spec in specs for p in limit_problems(role, spec, limits)))
 
@@ -556,44 +535,24 @@ class JobManager:
             jobs = troot.sub("sweeps", record.id, "jobs")
             return [dict(c, trial=trial, uri=f"sweeps/{record.id}/jobs/{c['path'][len(jobs.base) + 1:]}")
                     for trial in jobs.list_dirs() if trial.startswith("trial-")
-                    for c in ckpt.list_checkpoints(jobs.fs, jobs.path(trial, self._ckpt_folder(record)))]
-        run_path = troot.path(record.id, self._ckpt_folder(record))
-        return [dict(c, uri=c["path"][len(troot.base) + 1:]) for c in ckpt.list_checkpoints(troot.fs, run_path)]
-
-    @staticmethod
-    def job_home(record: Record):
-        """The job's folder and key as its driver derives them (trainers.home)."""
-        from trainers.config import JobSpec
-        from trainers.home import job_home
-
-        with refs_not_imported():  # the service never imports what a spec names (only its job may)
-            return job_home(JobSpec.model_validate(record.spec))
-
-    @staticmethod
-    def _ckpt_folder(record: Record) -> str:
-        from trainers.config import JobSpec
-
-        spec = {k: v for k, v in record.spec.items() if k != "sweep"}
-        with refs_not_imported():
-            return JobSpec.model_validate(spec).checkpoint.run_folder
+                    for c in trainers.checkpoints_in(jobs, jobs.path(trial, trainers.run_folder_of(record.spec)))]
+        run_path = troot.path(record.id, trainers.run_folder_of(record.spec))
+        return [dict(c, uri=c["path"][len(troot.base) + 1:]) for c in trainers.checkpoints_in(troot, run_path)]
 
     def metrics(self, record: Record) -> list[dict]:
         if record.kind == "sweep":
             return []
-        return read_history(self.tenant_root(record.tenant), record.id)
+        return trainers.read_history(self.tenant_root(record.tenant), record.id)
 
     def interruptions(self, record: Record) -> list[dict]:
-        from trainers.recovery import INTERRUPTIONS_FILE
-
-        rows = read_tenant_json(self.tenant_root(record.tenant), record.id, INTERRUPTIONS_FILE)
+        rows = read_tenant_json(self.tenant_root(record.tenant), record.id, trainers.INTERRUPTIONS_FILE)
         return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
     def profiles(self, record: Record) -> list[str]:
-        from trainers.observe import profiles_of
-
         if record.kind != "job":
             return []
-        return [self.relative(record.tenant, uri) for uri in profiles_of(self.tenant_root(record.tenant), record.id)]
+        return [self.relative(record.tenant, uri) for uri in trainers.profiles(self.tenant_root(record.tenant),
+                                                                                record.id)]
 
     def summary_of(self, record: Record) -> dict | None:
         parts = ("sweeps", record.id, "results.json") if record.kind == "sweep" else (record.id, "summary.json")
@@ -611,8 +570,7 @@ class JobManager:
             if record.state == "STOPPING":
                 return record
             if record.kind == "job":  # in storage, which the jobs reach wherever their Ray is
-                home = self.job_home(record)
-                StopFlag(home.key, (home.root, home.job)).request_in_storage()
+                trainers.request_stop(record.spec)
             record.move("STOPPING", "stop requested")
             self.store.save(record)
         sid = record.submissions[-1] if record.submissions else None

@@ -24,7 +24,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from service.front_door import downsample
 from service.http_limits import HttpLimits
-from trainers.console import strip_ansi
+from trainers.api import strip_ansi
 
 # Script and styles only from the service itself, data only from it, forms only to it, no framing.
 CSP = ("default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; img-src 'self'; "

@@ -328,14 +328,11 @@ def test_the_docs_page_lists_the_routes_without_any_script():
 
 
 def test_serve_flags_set_the_limits_and_name_the_flag_when_wrong():
-    from service.cli import http_limits, main
+    from service.cli import HTTP_FLAGS, http_limits, main
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
-    args = type("Args", (), {f: None for f in ("body_deadline_s", "request_timeout_s", "max_ongoing_requests",
-                                               "max_queued_requests", "login_failures", "login_window_s",
-                                               "max_metrics_points", "jobs_page_rows", "login_addresses",
-                                               "read_cache_s")})()
+    args = type("Args", (), {field: None for field, _, _ in HTTP_FLAGS.values()})()
     args.body_deadline_s, args.max_queued_requests = 3.0, 7
     limits = http_limits(args)
     assert (limits.body_deadline_s, limits.max_queued_requests, limits.max_ongoing_requests) == (3.0, 7, 1000)
