@@ -50,14 +50,17 @@
 - The run's storage filesystem (``get_context().get_storage()``, a DeveloperAPI): checkpoints are
   written in place and reported without an upload, which Ray accepts only on that filesystem
   and under the run's folder (:func:`run_storage_filesystem`).
+- The headers with which a client tells Ray Serve's proxy its own request timeout or asks to be
+  served after it hangs up (``ray.serve._private.constants``): the service refuses a request that
+  carries one (:func:`serve_client_override_headers`).
 - The one-key mappings Ray Tune's variant generator acts on inside a search space's values
   (``ray.tune.search.variant_generator``: ``{"eval": "<python>"}`` runs, ``{"grid_search": [...]}``
   expands into trials), at any depth: :data:`TUNE_EXPRESSION_KEYS`. A sweep's listed values go to
   Tune as indices, and a value holding one of these is refused besides (trainers.sweep).
 
 It lives in cluster/, the lowest layer, so trainers/ and cluster/ share it; nothing else in
-the project may import ``ray._private``, ``ray._raylet``, ``ray.experimental.internal_kv``
-or ``ray.train.v2._internal``.
+the project may import ``ray._private``, ``ray._raylet``, ``ray.experimental.internal_kv``,
+``ray.train.v2._internal`` or ``ray.serve._private``.
 tests/unit/test_ray_adapter.py fails loudly when Ray moves or changes any of these.
 """
 
@@ -78,6 +81,14 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 TUNE_EXPRESSION_KEYS = ("eval", "grid_search")
+
+
+def serve_client_override_headers() -> tuple[str, ...]:
+    """The request headers that let a client lift Ray Serve's request timeout for itself, or be served
+    after it disconnects: a service that bounds what one client may cost refuses them."""
+    from ray.serve._private import constants
+
+    return (constants.SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER, constants.SERVE_HTTP_REQUEST_DISCONNECT_DISABLED_HEADER)
 
 GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # ray._private.ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE
 REFRESH_REQUESTER = "etrain-refresh"  # owns no request: asking for its reservation only ticks the actor

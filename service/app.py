@@ -32,10 +32,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
+from cluster.ray_adapter import serve_client_override_headers
 from service import web
 from service.auth import Principal, TokenEntry, Tokens
 from service.front_door import LoginLimiter, SharedRead, cross_site_refusal, downsample
-from service.http_limits import CLIENT_OVERRIDE_HEADERS, HttpLimits
+from service.http_limits import HttpLimits
 from service.isolation import check_code_tenants
 from service.jobs import (Conflict, Forbidden, JobManager, QuotaExceeded, RayUnavailable, ServiceSettings,
                           jobs_headers)
@@ -259,11 +260,14 @@ add_routes("sweep")
 # ---------------------------------------------------------------- request metrics and the web page
 
 
+CLIENT_OVERRIDE_HEADERS = serve_client_override_headers()
+
+
 @app.middleware("http")
 async def _no_client_overrides(request: Request, call_next):
     """Ray Serve's proxy lets a request lift its own timeout by a header: refuse such a request
     at once (the proxy has read the header before we see it), so it holds nothing."""
-    for name in CLIENT_OVERRIDE_HEADERS:
+    for name in CLIENT_OVERRIDE_HEADERS:  # Ray Serve's names for them, read through the adapter
         if name in request.headers:
             return JSONResponse({"detail": f"header {name!r} is not accepted: the service sets request timeouts "
                                            "itself"}, status_code=400)

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-# Ray Serve's proxy lets a client set its own timeout, or ask to be served after it hangs up,
-# with these headers; the service refuses a request that carries one (400).
-CLIENT_OVERRIDE_HEADERS = ("x-request-timeout-seconds", "x-request-disconnect-disabled")
-
 
 class HttpLimits(BaseModel):
     """The front door's limits; one model, validated once when the service starts."""

@@ -17,7 +17,7 @@ import pytest
 from cluster import ray_adapter
 
 REPO = Path(__file__).resolve().parents[2]
-INTERNAL = ("ray._private", "ray._raylet", "ray.experimental.internal_kv", "ray.train.v2._internal")
+INTERNAL = ("ray._private", "ray._raylet", "ray.experimental.internal_kv", "ray.train.v2._internal", "ray.serve._private")
 
 
 def test_the_kv_store_functions_exist():
@@ -606,3 +606,20 @@ def test_tune_reads_exactly_these_one_key_mappings_in_a_space():
     assert acted_on == set(TUNE_EXPRESSION_KEYS), acted_on
     resolved = list(variant_generator.generate_variants({"a": {"grid_search": [1, 2]}, "b": {"eval": "3 * 2"}}))
     assert [config for _, config in resolved] == [{"a": 1, "b": 6}, {"a": 2, "b": 6}]
+
+
+def test_serve_reads_exactly_these_client_override_headers():
+    """Every header with which a client sets Ray Serve's proxy behaviour for its own request is one
+    the service refuses: a Ray that adds one fails here."""
+    from ray.serve._private import constants
+
+    from cluster.ray_adapter import serve_client_override_headers
+
+    headers = {k: v for k, v in vars(constants).items() if "HEADER" in k}
+    assert headers == {  # a new one: decide whether a client may send it, and refuse it here if not
+        "SERVE_HTTP_REQUEST_ID_HEADER": "x-request-id",  # a label for the request's log lines only
+        "SERVE_INGRESS_ROUTER_HEADER_PREFIX": "x-serve-router-",  # custom request routers' (we use none)
+        "RAY_SERVE_INGRESS_REQUEST_ROUTER_OPT_HEADERS_FIELD": "request_headers",
+        "SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER": "x-request-timeout-seconds",
+        "SERVE_HTTP_REQUEST_DISCONNECT_DISABLED_HEADER": "x-request-disconnect-disabled"}, headers
+    assert serve_client_override_headers() == ("x-request-timeout-seconds", "x-request-disconnect-disabled")
