@@ -39,8 +39,8 @@ from cluster.signed_fs import KEY_ENV as STATE_KEY_ENV
 from cluster.signed_fs import new_key
 from cluster.storage import StorageRoot, open_root
 from service.auth import ROLES, Principal, in_tenant_data, is_under, policy_problems
-from service.limits import (DEFAULT_ROLE_LIMITS, Footprint, RoleLimits, job_footprint, limit_problems, quota_problem,
-                            sweep_footprint)
+from service.limits import (DEFAULT_ROLE_LIMITS, Footprint, RoleLimits, job_footprint, limit_problems_of,
+                            quota_problem, sweep_footprint)
 from service.ray_clients import dashboard_client
 from service.store import ACTIVE, TERMINAL, Record, Store, new_id
 from trainers import api as trainers
@@ -338,9 +338,9 @@ class JobManager:
         else:
             specs = [trainers.check_job(run)]
             footprint = job_footprint(specs[0])
-        over = [p for s in specs for p in limit_problems(who.role, s, limits) if p]
+        over = limit_problems_of(who.role, specs, limits)
         if over:
-            raise Forbidden(list(dict.fromkeys(over)))
+            raise Forbidden(over)
         section = run.get("data")
         if isinstance(section, dict) and isinstance(section.get("source"), str):
             run["data"] = dict(section, source=in_tenant_data(section["source"], troot.uri))
@@ -352,8 +352,7 @@ class JobManager:
             specs = trainers.trial_specs(trainers.check_sweep(record.spec))
         else:
             specs = [trainers.check_job(record.spec)]
-        limits = self.settings.role_limits[role]
-        return list(dict.fromkeys(p for spec in specs for p in limit_problems(role, spec, limits)))
+        return limit_problems_of(role, specs, self.settings.role_limits[role])
 
     def quota(self, tenant: str) -> int:
         return self.settings.tenant_quotas.get(tenant, self.settings.max_active_per_tenant)
@@ -399,12 +398,11 @@ class JobManager:
                 if bound["id"] != record_id:
                     return self._replay(bound, body_sha256), False
             troot = self.tenant_root(tenant)
-            spec_uri, spec_sha256 = self.store_spec(tenant, record_id, run)
             if kind == "job":  # goodput counts from here, queueing included
                 troot.write_json({"submitted_at": time.time()}, record_id, "job.json")
             now = time.time()
             record = Record(id=record_id, kind=kind, tenant=tenant, name=name, spec=run,
-                            spec_uri=spec_uri, spec_sha256=spec_sha256,
+                            spec_uri=self.specs_root(tenant).uri_of(f"{record_id}.json"),  # written by submit
                             storage=troot.uri_of(self.run_folder_for(kind, record_id)), slots=slots,
                             cpus=checked.footprint.cpus, gpus=checked.footprint.gpus,
                             state_key=new_key() if kind == "sweep" else None,
@@ -430,9 +428,8 @@ class JobManager:
         return record
 
     def entrypoint(self, record: Record, resume: bool) -> str:
-        args = [self.settings.python, "-m", ENTRY_MODULES[record.kind], record.spec_uri]
-        if record.spec_sha256:
-            args += ["--spec-sha256", record.spec_sha256]
+        args = [self.settings.python, "-m", ENTRY_MODULES[record.kind], record.spec_uri, "--spec-sha256",
+                record.spec_sha256]  # set by submit, which stores the spec for each attempt
         if record.kind == "sweep" and resume:
             args.append("--resume")
         if record.kind == "job":  # the log keeps Ray's lines too: the page tells them apart and filters

@@ -125,6 +125,11 @@ def limit_problems(role: str, spec, limits: RoleLimits, where: str = "") -> list
     return problems
 
 
+def limit_problems_of(role: str, specs: list, limits: RoleLimits) -> list[str]:
+    """Every problem of :func:`limit_problems` over several specs (a sweep's trials), each said once."""
+    return list(dict.fromkeys(p for spec in specs for p in limit_problems(role, spec, limits)))
+
+
 @dataclass(frozen=True)
 class Footprint:
     """The most a job (or a sweep, all its concurrent trials) could ask the cluster for."""
