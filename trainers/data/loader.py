@@ -132,13 +132,13 @@ class Feed:
         self.options = ladder()
         saved = (LoaderSetting(tuned.get("num_workers"), tuned.get("prefetch_factor"))
                  if self.auto and isinstance(tuned, dict) else None)
-        if saved is not None and saved not in self.options:  # a checkpoint is data: only a setting of the ladder
-            saved, tuned = None, None
+        if saved not in self.options:  # a checkpoint is data: only a setting of the ladder is taken from it
+            saved = None
         if saved is not None:
             self.setting = saved
         else:
             self.setting = self.options[0] if self.auto else LoaderSetting(int(num_workers), prefetch_factor)
-        self.tuning = self.auto and not tuned
+        self.tuning = self.auto and saved is None
         self.tried: list[tuple[LoaderSetting, float]] = []
         self.step, self.index = start, 0  # the next micro-batch handed out
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
