@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
+from bearer import bearer_request
 from conftest import free_port
 
 pytestmark = pytest.mark.ray
@@ -82,10 +83,7 @@ def service(ray_local, tmp_path_factory):
 
 
 def api(svc, method: str, path: str, who: str | None = "alice", **kw) -> requests.Response:
-    headers = kw.pop("headers", {})
-    if who:
-        headers["Authorization"] = f"Bearer {token_of(who)}"
-    return requests.request(method, svc.url + path, headers=headers, timeout=60, **kw)
+    return bearer_request(svc.url, who and token_of(who), method, path, **kw)
 
 
 def signed_in(svc, path: str, who: str = "alice") -> requests.Response:

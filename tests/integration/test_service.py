@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
+from bearer import bearer_request
 from conftest import free_port
 from waiting import wait_for
 
@@ -61,10 +62,7 @@ def service(ray_local, tmp_path_factory):
 
 
 def api(svc, method: str, path: str, who: str | None = "alice", **kw) -> requests.Response:
-    headers = kw.pop("headers", {})
-    if who:
-        headers["Authorization"] = f"Bearer {token_of(who)}"
-    return requests.request(method, svc.url + path, headers=headers, timeout=60, **kw)
+    return bearer_request(svc.url, who and token_of(who), method, path, **kw)
 
 
 # A model (on the blobs) that waits 20 ms a step (a step's compute, without the CPU): a job that
