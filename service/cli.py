@@ -123,7 +123,8 @@ HTTP_FLAGS = {  # flag -> (HttpLimits field, type, help); defaults are HttpLimit
                                                         "stream too"),
     "--max-ongoing-requests": ("max_ongoing_requests", int, "requests served at once; a slow client holds one while "
                                                             "its body trickles in"),
-    "--max-queued-requests": ("max_queued_requests", int, "requests waiting for a slot beyond those; more get 503"),
+    "--max-queued-requests": ("max_queued_requests", int, "requests waiting for the replica to take "
+                              "them (a burst of new ones too); more get 503"),
     "--login-failures": ("login_failures", int, "failed sign-ins a client address may make per --login-window-s, "
                                                 "then 429"),
     "--login-window-s": ("login_window_s", float, "the window of --login-failures"),

@@ -6,6 +6,9 @@ with its settings. The defaults let a few hundred slow or idle connections sit b
 traffic without taking its place: a body must arrive within ``body_deadline_s`` (408 after
 that), a request ends after ``request_timeout_s`` whatever it does (Ray Serve's proxy), and
 past ``max_ongoing_requests`` at once up to ``max_queued_requests`` wait, the rest get 503.
+Serve's proxy counts a request as queued from its arrival until a replica takes it, free slots
+or not, so ``max_queued_requests`` is also the largest burst of new connections admitted at once
+(a burst of 220 sign-ins on a busy machine overflowed a queue of 200 with 780 slots free).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ class HttpLimits(BaseModel):
         600.0, gt=0, description="Ray Serve ends any request after this (a followed log stream too: follow again)")
     max_ongoing_requests: int = Field(
         1000, ge=1, description="requests the replica serves at once (a slow client holds one while its body trickles)")
-    max_queued_requests: int = Field(200, ge=1, description="requests that wait for a slot beyond those; more get 503")
+    max_queued_requests: int = Field(
+        1000, ge=1, description="requests waiting for a replica to take them (a burst of new ones too); more get 503")
     login_failures: int = Field(10, ge=1, description="failed sign-ins per client address per login_window_s, then 429")
     login_window_s: float = Field(60.0, gt=0)
     login_addresses: int = Field(
