@@ -27,7 +27,7 @@ local Ray included, is stopped), and counts only the windows wholly inside a tur
 - report() blocking seconds, async and sync (median over the job's checkpoints): what the
   training thread paid at a checkpoint (the state copy is reported apart, as save seconds).
 - async checkpoints taken: an interval checkpoint is left to the next interval step while the
-  one before is still being written and reported (trainers.checkpointer), so fewer than
+  one before is still being written and reported (trainers.checkpoint_writer), so fewer than
   steps / interval may be taken.
 - s3 server cpu seconds per pair: the moto server's CPU time over an S3 pair (both jobs; nearly
   all of it the async job's checkpoints). A remote bucket would not spend it on this machine,

@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO)]
 from bench.turns import kill_tree  # noqa: E402  (the repository is on the path from here)
+
 # script, repeats, extra arguments
 PLAN = [("data.py", 3, []), ("ddp_overhead.py", 1, ["--repeats", "3"]), ("checkpoint.py", 1, ["--pairs", "4"]),
         ("service.py", 2, []), ("sweep.py", 1, []), ("preemption.py", 1, [])]
@@ -71,7 +72,7 @@ LIMITS = {
         "min_interval_s 0). Each is written and restorable; Ray's record, retention and the metrics flush come "
         "with one checkpoint in 2 s (checkpoint.report_interval_s), and the ratio with every window counted is "
         "printed beside the trimmed one. On CPU ranks (wholly SCHED_BATCH) the checkpoint thread runs at "
-        "SCHED_IDLE from its second checkpoint (trainers/checkpointer.py: Yielding) and writes straight to "
+        "SCHED_IDLE from its second checkpoint (trainers/checkpoint_thread.py: Yielding) and writes straight to "
         "storage. A pair's ratio scatters by 0.03-0.05 (local-disk pairs 0.949-1.052 within one hour on "
         "2026-12-05), so a median of four pairs is good to about 0.02; four, balanced by which job starts first: "
         "with the one without checkpoints first, the ratio came out 0.01-0.05 higher. make bench at 3b22575: "

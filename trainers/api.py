@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from cluster.storage import StorageRoot
-from trainers import checkpoint as _checkpoint
-from trainers.config import (NAME_PATTERN, REF_PATTERN, JobSpec, SpecError, apply_overrides, parse_text,
-                             read_spec_file, refs_not_imported, validate)
+from trainers import checkpoint_files as _checkpoint
+from trainers.config import (NAME_PATTERN, REF_PATTERN, JobSpec, SpecError, apply_overrides, parse_text, read_spec_file,
+                             refs_not_imported, validate)
 from trainers.console import strip_ansi
 from trainers.history import read_history, read_history_tail
 from trainers.home import JobHome, job_home

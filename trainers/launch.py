@@ -28,7 +28,7 @@ from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
 from cluster import ray_adapter
 from cluster.capacity import gpu_capacity
 from cluster.storage import StorageRoot, open_root
-from trainers import checkpoint as ckpt
+from trainers import checkpoint_files as ckpt
 from trainers.config import JobSpec, SpecError
 from trainers.home import JobHome, job_home
 from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
@@ -217,7 +217,7 @@ WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_worker_niceness": "0"}
 def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
                   stop_at_step: int | None, run_id: str = "", previous_failure: str | None = None,
                   callbacks: tuple = (), submitted_at: float | None = None):
-    from trainers.loop import train_loop_per_worker
+    from trainers.worker_entry import train_loop_per_worker
 
     storage_path, run_name = home.ray_paths()
     d = spec.distributed

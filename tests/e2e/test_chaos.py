@@ -17,7 +17,7 @@ import pytest
 from slowpkg import blobs_parquet
 from waiting import wait_for
 
-from trainers import checkpoint as ckpt
+from trainers import checkpoint_files as ckpt
 from trainers.config import validate
 from trainers.launch import EXIT_OK, run_job
 

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cluster.storage import open_root
-from trainers import checkpoint as ckpt
+from trainers import checkpoint_files as ckpt
 from trainers.config import validate
 from trainers.history import read_history
 from trainers.launch import EXIT_OK, run_job

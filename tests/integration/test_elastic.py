@@ -11,12 +11,12 @@ import pytest
 from slowpkg import blobs_parquet
 from waiting import wait_for
 
-from trainers import checkpoint as ckpt
+from trainers import checkpoint_files as ckpt
 from trainers.config import validate
 from trainers.home import job_home
 from trainers.launch import EXIT_STOPPED, run_job
-from trainers.trainer import plan_for
 from trainers.recovery import StopFlag
+from trainers.rules import plan_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 SAMPLES = 1793  # 28 batches of 64 and a 1-sample tail: the plan must not depend on the worker range

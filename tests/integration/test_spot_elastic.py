@@ -11,20 +11,18 @@ import threading
 from datetime import datetime, timedelta, timezone
 
 import pytest
-
 from slowpkg import blobs_parquet
 from waiting import wait_for
 
 from cluster.ray_adapter import kv_get
 from cluster.rehearsal.imds import FakeIMDS
-
 from cluster.spot import IMDS, drain_node, watch
 from cluster.storage import open_root
-from trainers import checkpoint as ckpt
+from trainers import checkpoint_files as ckpt
 from trainers.config import validate
 from trainers.home import job_home
-from trainers.recovery import Heartbeats
 from trainers.launch import EXIT_OK, run_job
+from trainers.recovery import Heartbeats
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

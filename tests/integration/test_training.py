@@ -18,7 +18,7 @@ import torch
 
 from cluster.leftovers import writing_into
 from cluster.storage import open_root
-from trainers import checkpoint as ckpt
+from trainers import checkpoint_files as ckpt
 from trainers.config import validate
 from trainers.launch import EXIT_FAILED, EXIT_OK, EXIT_STOPPED, run_job
 
@@ -164,7 +164,7 @@ def test_two_workers_learn_text_with_dynamic_batching(ray_local, tmp_path):
     code, summary = run_job(spec)
     assert code == EXIT_OK, summary
     from trainers.data import StepMicroBatches
-    from trainers.trainer import plan_for
+    from trainers.rules import plan_for
     from trainers.workloads import resolve
 
     workload = resolve(spec)
@@ -391,10 +391,11 @@ def test_a_stop_request_stops_its_job_only_with_a_checkpoint_and_a_stale_one_is_
     already made (as a rerun after a stop does): it clears it at start and trains on."""
     import threading
 
+    from waiting import wait_for
+
     from trainers.history import read_history
     from trainers.home import job_home
     from trainers.recovery import StopFlag
-    from waiting import wait_for
 
     specs = [digits_spec(tmp_path / root, "twin", waiting=True, max_steps=1_000_000) for root in ("a", "b")]
     specs[1].distributed.num_workers = 1  # a keeps 2 workers: its stop is a vote across ranks
@@ -479,9 +480,9 @@ def test_a_controller_killed_while_its_driver_lives_leaves_no_placement_group(ra
     from ray.train import RunConfig, ScalingConfig
     from ray.util.placement_group import placement_group_table
     from ray.util.state import list_actors
+    from waiting import wait_for
 
     from cluster import ray_adapter
-    from waiting import wait_for
 
     def live_groups() -> set[str]:
         return {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}

@@ -66,7 +66,7 @@ def test_a_job_that_gives_up_names_the_checkpoint_a_rerun_resumes_from(tmp_path,
 
     import pyarrow.fs as pafs
 
-    from trainers import checkpoint as ckpt
+    from trainers import checkpoint_files as ckpt
 
     home = job_home(flaky_spec(tmp_path, 0))
     for step, loss in ((10, 0.7), (20, 0.5)):
@@ -85,7 +85,7 @@ def test_an_unreadable_checkpoint_does_not_replace_the_failure_in_the_summary(tm
     without a checkpoint and says why, rather than raising in place of the job's failure."""
     import posixpath
 
-    from trainers import checkpoint as ckpt
+    from trainers import checkpoint_files as ckpt
 
     home = job_home(flaky_spec(tmp_path, 0))
     home.root.fs.create_dir(posixpath.join(home.run_path, ckpt.dir_name(30)))

@@ -32,7 +32,7 @@ def test_a_resume_with_another_num_workers_range_keeps_the_data_order(first, the
     """1793 samples in batches of 64 leave a 1-sample tail: the plan (steps per epoch, every
     batch) must not move when the job resumes with another worker range."""
     from trainers.config import validate
-    from trainers.trainer import plan_for, target_step
+    from trainers.rules import plan_for, target_step
 
     def spec(workers):
         return validate({"training": {"batch_size": 64, "epochs": 3}, "distributed": {"num_workers": workers}})
@@ -185,7 +185,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
-from trainers.data import Feed, FeatureSource, PairsSource, ParquetFiles, TokenSource  # noqa: E402
+from trainers.data import FeatureSource, Feed, PairsSource, ParquetFiles, TokenSource  # noqa: E402
 
 
 def feature_file(path, rows: int, group_rows: int, width: int = 5, seed: int = 0) -> pa.Table:
@@ -487,7 +487,7 @@ def test_a_manifest_names_only_files_in_its_checkpoints_folder(tmp_path):
 
     import pyarrow.fs as pafs
 
-    from trainers.checkpoint import MANIFEST, read_manifest
+    from trainers.checkpoint_files import MANIFEST, read_manifest
 
     folder = tmp_path / "checkpoint_000001"
     folder.mkdir()

@@ -573,7 +573,7 @@ def test_without_scheduling_policies_a_laptop_trains_as_before(monkeypatch):
 
 
 def test_a_checkpoint_written_in_place_is_one_ray_takes_without_an_upload(tmp_path):
-    """trainers/checkpointer.py writes checkpoints straight into the run folder and reports them
+    """trainers/checkpoint_writer.py writes checkpoints straight into the run folder and reports them
     without an upload (and with ``delete_local_checkpoint_after_upload=False``, since Ray's ASYNC
     default would delete them): Ray accepts that only on the storage context's own filesystem
     object, under the run's folder, which ``run_storage_filesystem`` hands out."""

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from torch.distributed import DistNetworkError
 from ray.exceptions import RayActorError
 from ray.train.v2._internal.exceptions import UserExceptionWithTraceback, WorkerHealthCheckFailedError
-from ray.train.v2.api.preemption import PreemptionInfo
 from ray.train.v2.api.exceptions import ControllerError, PreemptionError, WorkerGroupError
+from ray.train.v2.api.preemption import PreemptionInfo
+from torch.distributed import DistNetworkError
 
-from trainers.recovery import (Heartbeat, classify_failure, interruption_record, launcher_cause, nodes_died, settle_peer_lost,
-                               should_retry)
+from trainers.recovery import (Heartbeat, classify_failure, interruption_record, launcher_cause, nodes_died,
+                               settle_peer_lost, should_retry)
 
 
 def group(*errors):
@@ -140,7 +140,8 @@ def test_a_node_lost_a_moment_after_a_restart_is_recorded_once_as_a_node_loss(mo
     from cluster.storage import open_root
     from trainers import recovery
     from trainers.recovery import INTERRUPTIONS_FILE, Heartbeats, StopFlag
-    from trainers.trainer import Clock, Pulse, Trainer
+    from trainers.worker_loop import Clock, Trainer
+    from trainers.worker_services import Pulse
 
     store: dict[bytes, bytes] = {}
     monkeypatch.setattr(recovery, "kv_get", store.get)
@@ -180,7 +181,7 @@ def test_a_beat_that_fails_at_the_first_step_does_not_end_the_attempt(monkeypatc
     """Ray's GCS unreachable for a moment at step 1: the heartbeat is missed (a warning), training goes on."""
     from trainers import recovery
     from trainers.recovery import Heartbeats, StopFlag
-    from trainers.trainer import Pulse
+    from trainers.worker_services import Pulse
 
     def refused(key, value):
         raise ConnectionError("GCS unavailable")

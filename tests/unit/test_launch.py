@@ -1,30 +1,12 @@
-"""Small pure decisions: learning-rate schedule, runtime resolution, storage URIs."""
+"""The launcher's decisions (trainers/launch.py): runtime resolution, refusals before Ray starts,
+and when a rerun starts no workers."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from cluster.storage import check_uri, open_root
 from trainers.config import SpecError, validate
-from trainers.home import job_home
 from trainers.launch import reached_max_steps, resolve_runtime
-from trainers.trainer import lr_factor, step_seed
-
-
-@pytest.mark.parametrize("step,expected", [(0, 0.1), (9, 1.0), (10, 1.0), (55, 0.55), (100, 0.1)])
-def test_warmup_cosine(step, expected):
-    assert math.isclose(lr_factor(step, 100, 10, 0.1, "warmup_cosine"), expected, abs_tol=1e-9)
-
-
-def test_constant_schedule():
-    assert lr_factor(50, 100, 10, 0.1, "constant") == 1.0
-
-
-def test_step_seeds_differ_by_rank_and_step():
-    seeds = {step_seed(0, s, r) for s in range(100) for r in range(8)}
-    assert len(seeds) == 800
 
 
 @pytest.mark.parametrize("dist,precision,gpus,use_gpu,backend,note", [
@@ -65,39 +47,6 @@ def test_runtime_refusals_name_the_field(dist, precision, message):
     with pytest.raises(SpecError) as info:
         resolve_runtime(spec, 0)
     assert message in info.value.problems[0]
-
-
-@pytest.mark.parametrize("uri,ok", [("/tmp/x", True), ("file:///tmp/x", True), ("s3://bucket/p", True),
-                                    ("s3://b", False), ("gs://b/x", False), ("", False)])
-def test_check_uri(uri, ok):
-    assert (check_uri(uri) is None) == ok
-
-
-def test_local_root_roundtrip_and_run_paths(tmp_path):
-    root = open_root(str(tmp_path / "r"))
-    root.write_json({"a": 1}, "job", "summary.json")
-    assert root.read_json("job", "summary.json") == {"a": 1}
-    assert root.list_dirs() == ["job"]
-    spec = validate({"name": "j", "checkpoint": {"path": "ckpts/nested/model_{step}.pt", "storage_root": str(tmp_path)}})
-    home = job_home(spec)
-    assert home.ray_paths() == (f"{tmp_path}/j/ckpts", "nested") and home.uri == f"{tmp_path}/j"
-
-
-@pytest.mark.parametrize("path,job_folder,run_path", [
-    ("/checkpoints/model_{step}.pt", "/checkpoints", "/checkpoints"),
-    ("/mnt/shared/runs/a/model_{step}.pt", "/mnt/shared/runs/a", "/mnt/shared/runs/a"),
-    ("checkpoints/model_{step}.pt", "{root}/j", "{root}/j/checkpoints"),
-    ("model_{step}.pt", "{root}/j", "{root}/j/checkpoints"),
-])
-def test_an_absolute_checkpoint_path_is_the_jobs_folder(tmp_path, path, job_folder, run_path):
-    home = job_home(validate({"name": "j", "checkpoint": {"path": path, "storage_root": str(tmp_path)}}))
-    assert home.uri == job_folder.format(root=tmp_path) and home.run_path == run_path.format(root=tmp_path)
-
-
-def test_two_jobs_of_one_name_in_two_roots_have_two_keys(tmp_path):
-    a, b = (job_home(validate({"name": "quickstart", "checkpoint": {"storage_root": str(tmp_path / r)}}))
-            for r in ("a", "b"))
-    assert a.key != b.key and a.key.startswith("etrain/quickstart-")
 
 
 def test_missing_user_data_is_refused_before_ray(tmp_path):

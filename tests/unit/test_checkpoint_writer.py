@@ -1,111 +1,14 @@
-"""The Trainer's and the checkpointer's decisions, table-driven: when to sync, when to checkpoint,
-when ranks vote on out-of-memory, how a split shrinks, and what a snapshot copies."""
+"""The checkpoint writer (trainers/checkpoint_writer.py): what a snapshot copies, a checkpoint in place
+before Ray hears of it, reports between intervals, retries on transient storage errors, failures
+raised where they cost nothing, and the thread's CPU policy as the writer drives it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from trainers.checkpointer import Kind, checkpoint_kind, interval_checkpoint_ok, to_cpu
-from trainers.config import SpecError, batching_summary, validate
-from trainers.trainer import (FIRST_CHECK_STEPS, MAX_CHECK_STEPS, halved_split, next_check_step, oom_message,
-                              oom_vote_due, sync_due)
-
-
-@pytest.mark.parametrize("done,log,next_check,interval,due", [
-    (10, 10, 10, 1000, True),
-    (5, 10, 10, 1000, False),
-    (5, 100, 5, 1000, True),  # a preemption check needs the all-reduce, not a log line
-    (1000, 100, 7, 1000, True),
-    (999, 100, 1007, 1000, False),
-    (7, 100, 1007, 3, False),
-    (9, 100, 1007, 3, True),  # a checkpoint step
-])
-def test_sync_due(done, log, next_check, interval, due):
-    assert sync_due(done, log, next_check, interval) is due
-
-
-@pytest.mark.parametrize("done,every,step_s,next_check", [
-    (40, 10, 0.003, 50),  # a number is kept, whatever the step time
-    (0, "auto", 0.0, FIRST_CHECK_STEPS),  # nothing measured yet
-    (100, "auto", 0.02, 150),  # 20 ms steps: about once a second, not every 10 steps
-    (100, "auto", 0.003, 100 + MAX_CHECK_STEPS),  # short steps: at most this many, should they turn slow
-    (100, "auto", 0.25, 104),
-    (100, "auto", 5.0, 101),  # slow steps: every step, never none
-])
-def test_next_preemption_check(done, every, step_s, next_check):
-    assert next_check_step(done, every, step_s) == next_check
-
-
-def test_preemption_check_steps_takes_auto_or_a_positive_number():
-    assert validate({"name": "x"}).checkpoint.preemption_check_steps == "auto"
-    assert validate({"name": "x", "checkpoint": {"preemption_check_steps": 25}}).checkpoint.preemption_check_steps == 25
-    for bad in (0, "sometimes", True):
-        with pytest.raises(SpecError, match=r"checkpoint\.preemption_check_steps: .* positive number of steps, or 'auto'"):
-            validate({"name": "x", "checkpoint": {"preemption_check_steps": bad}})
-
-
-@pytest.mark.parametrize("done,stop,interval,gap_ok,preempted,stop_requested,resizing,kind", [
-    (100, 1000, 100, True, False, False, False, Kind.INTERVAL),
-    (100, 1000, 100, False, False, False, False, None),  # too soon after the last one
-    (150, 1000, 100, True, False, False, False, None),
-    (1000, 1000, 100, False, False, False, False, Kind.FINAL),  # the end, whatever the gap
-    (37, 1000, 100, False, False, True, False, Kind.FINAL),  # a stop request
-    (37, 1000, 100, False, True, False, False, Kind.JIT),
-    (1000, 1000, 100, True, True, True, False, Kind.JIT),  # a notice wins: it must be durable before the node goes
-    (37, 1000, 100, False, False, False, True, Kind.RESIZE),  # between intervals: the restart would lose 37 steps
-    (100, 1000, 100, True, False, False, True, Kind.RESIZE),  # one checkpoint a step, durable before the restart
-    (37, 1000, 100, False, True, False, True, Kind.JIT),  # the notice's, which the resize takes as its own
-    (1000, 1000, 100, False, False, False, True, Kind.FINAL),  # a run at its end finishes instead
-    (37, 1000, 100, False, False, True, True, Kind.FINAL),
-])
-def test_checkpoint_kind(done, stop, interval, gap_ok, preempted, stop_requested, resizing, kind):
-    assert checkpoint_kind(done, stop, interval, gap_ok, preempted, stop_requested, resizing) is kind
-
-
-@pytest.mark.parametrize("since_last_s,min_gap_s,in_flight,ok", [
-    (10.0, 5.0, False, True), (1.0, 5.0, False, False), (10.0, 5.0, True, False), (0.0, 0.0, False, True),
-    (0.0, 0.0, True, False),  # never wait on Ray's one-report-per-poll: the next interval step takes it
-])
-def test_interval_checkpoint_ok(since_last_s, min_gap_s, in_flight, ok):
-    assert interval_checkpoint_ok(since_last_s, min_gap_s, in_flight) is ok
-
-
-@pytest.mark.parametrize("auto,steps_at_split,vote", [
-    (True, 0, True), (True, 500, True), (False, 0, True), (False, 1, False), (False, 500, False),
-])
-def test_oom_vote_due(auto, steps_at_split, vote):
-    assert oom_vote_due(auto, steps_at_split) is vote
-
-
-@pytest.mark.parametrize("micro,per_worker,tokens,split", [
-    (64, 64, None, (32, 2, None)),
-    (32, 64, None, (16, 4, None)),
-    (3, 64, None, (1, 64, None)),
-    (1, 64, None, None),  # nothing left to halve: the clear error
-    (16, 16, 512, (8, 2, 256)),  # by tokens: the budget halves too
-    (1, 16, 512, (1, 16, 256)),
-])
-def test_halved_split(micro, per_worker, tokens, split):
-    assert halved_split(micro, per_worker, tokens) == split
-
-
-def test_halving_keeps_the_global_batch():
-    micro, per_worker = 64, 64
-    while (split := halved_split(micro, per_worker, None)) is not None:
-        micro, accum, _ = split
-        assert micro * accum == per_worker
-
-
-def test_oom_message_names_model_size_and_memory():
-    message = oom_message(1, 7_000_000_000, 14 * 2**30, torch.device("cpu"))
-    assert "micro-batch 1" in message and "7,000,000,000 parameters" in message and "14.00 GiB of weights" in message
-    assert "GiB of memory" in message and "gradient_checkpointing" in message
-
-
-def test_micro_batch_auto_starts_at_the_whole_share():
-    assert batching_summary(128, 2, "auto", None) == (64, 64, 1)
-    assert validate({"training": {"micro_batch_size": "auto"}}).training.micro_batch_size == "auto"
+from trainers.checkpoint_writer import to_cpu
+from trainers.config import validate
 
 
 def test_a_snapshot_does_not_follow_the_live_state():
@@ -124,23 +27,9 @@ def test_a_snapshot_does_not_follow_the_live_state():
     assert exp_avg.data_ptr() != opt.state[live.weight]["exp_avg"].data_ptr()
 
 
-def test_short_gil_slices_only_while_the_background_work_runs():
-    import sys
-
-    from trainers.checkpointer import short_gil_slices
-
-    before = sys.getswitchinterval()
-    with short_gil_slices(0.0005):
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    assert sys.getswitchinterval() == before
-    with pytest.raises(RuntimeError), short_gil_slices(0.0005):
-        raise RuntimeError("a failed upload")
-    assert sys.getswitchinterval() == before
-
-
 def settling_checkpointer(work):
     """A rank-0 Checkpointer whose checkpoint in flight is ``work`` (run on its own thread)."""
-    from trainers.checkpointer import Checkpointer
+    from trainers.checkpoint_writer import Checkpointer
 
     spec = validate({"name": "settle", "checkpoint": {"interval": 5}})
     c = Checkpointer(spec, None, "run", 0, 1, torch.device("cpu"), lambda step, jit: None)
@@ -191,7 +80,7 @@ def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: 
 
     from cluster import ray_adapter
     from cluster.storage import open_root
-    from trainers.checkpointer import Checkpointer
+    from trainers.checkpoint_writer import Checkpointer
 
     monkeypatch.setattr(ray.train, "report", report)
     monkeypatch.setattr(ray_adapter, "run_storage_filesystem", lambda: pafs.LocalFileSystem())
@@ -206,8 +95,9 @@ def test_a_checkpoint_is_in_place_before_ray_hears_of_it_and_ray_is_told_to_keep
     (its ASYNC default deletes the folder once 'uploaded'). Just-in-time: NO_UPLOAD."""
     import pyarrow.fs as pafs
 
-    from trainers import checkpoint as ckpt
-    from trainers.checkpointer import Kind, already_there
+    from trainers import checkpoint_files as ckpt
+    from trainers.checkpoint_writer import already_there
+    from trainers.rules import Kind
 
     reports = []
 
@@ -236,8 +126,8 @@ def test_a_checkpoint_before_a_resize_is_complete_when_save_returns_and_ray_is_n
     restore to find in storage."""
     import pyarrow.fs as pafs
 
-    from trainers import checkpoint as ckpt
-    from trainers.checkpointer import Kind
+    from trainers import checkpoint_files as ckpt
+    from trainers.rules import Kind
 
     reports, written = [], []
     c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reports.append(checkpoint),
@@ -259,7 +149,7 @@ def test_a_checkpoint_before_a_resize_is_complete_when_save_returns_and_ray_is_n
 def test_a_just_in_time_checkpoint_that_answers_a_resize_answers_before_ray_hears_of_it(monkeypatch, tmp_path):
     """A spot notice and a resize at one sync step: the step's checkpoint answers the resize, before
     its report to Ray, which would wait for the controller that waits for the answer."""
-    from trainers.checkpointer import Kind
+    from trainers.rules import Kind
 
     events = []
     c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: events.append("report"))
@@ -268,51 +158,15 @@ def test_a_just_in_time_checkpoint_that_answers_a_resize_answers_before_ray_hear
     assert events == [("written", 9), "report"]
 
 
-def test_a_resize_request_waits_for_the_loops_answer_and_gives_up_at_its_timeout():
-    import threading
-    import time
-
-    from trainers.trainer import ResizeRequest
-
-    request, answers = ResizeRequest(), []
-    asker = threading.Thread(target=lambda: answers.append(request.ask(30.0)))
-    asker.start()
-    deadline = time.monotonic() + 5
-    while not request.asked.is_set() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert request.asked.is_set() and asker.is_alive(), "asked, and waiting for the checkpoint"
-    request.saved(120)
-    asker.join(timeout=5)
-    assert answers == [120] and not request.asked.is_set(), "answered; training that goes on is not asked again"
-    started = time.monotonic()
-    assert request.ask(0.2) is None and time.monotonic() - started < 5, "a later request waits for its own answer"
-    assert request.asked.is_set()
-
-
-@pytest.mark.parametrize("kind, since_report_s, interval_s, due", [
-    ("INTERVAL", float("inf"), 2.0, True),  # the run's first: Ray hears of the job's progress at once
-    ("INTERVAL", 0.5, 2.0, False),  # written and restorable, reported with a later one
-    ("INTERVAL", 2.0, 2.0, True),
-    ("INTERVAL", 0.0, 0.0, True),  # 0: every one
-    ("FINAL", 0.0, 60.0, True),  # Ray's result, and the last retention round
-    ("JIT", 0.0, 60.0, True),  # what outlives the node
-    ("RESIZE", float("inf"), 0.0, False),  # the controller that would take it waits for the write
-])
-def test_report_due(kind, since_report_s, interval_s, due):
-    from trainers.checkpointer import Kind, report_due
-
-    assert report_due(Kind[kind], since_report_s, interval_s) is due
-
-
 def test_checkpoints_between_reports_are_written_and_beat_but_not_reported_pruned_or_flushed(monkeypatch, tmp_path):
     """Every interval checkpoint is complete in storage (a restart restores it by listing); Ray's
     record, retention and the observer's flush wait for the report interval, and a final
     checkpoint catches them all up."""
     import pyarrow.fs as pafs
 
-    from trainers import checkpoint as ckpt
-    from trainers import checkpointer
-    from trainers.checkpointer import Kind
+    from trainers import checkpoint_files as ckpt
+    from trainers import checkpoint_writer as checkpointer
+    from trainers.rules import Kind
 
     clock = [1000.0]
     monkeypatch.setattr(checkpointer.time, "monotonic", lambda: clock[0])
@@ -353,9 +207,9 @@ def test_only_a_folder_that_may_hold_a_manifest_is_cleared_before_a_write(monkey
     first): a folder that neither the restore listing nor this attempt had cannot hold one."""
     import pyarrow.fs as pafs
 
-    from trainers import checkpoint as ckpt
-    from trainers import checkpointer
-    from trainers.checkpointer import Kind
+    from trainers import checkpoint_files as ckpt
+    from trainers import checkpoint_writer as checkpointer
+    from trainers.rules import Kind
 
     written, real_write = [], ckpt.write
 
@@ -382,8 +236,8 @@ def test_only_a_folder_that_may_hold_a_manifest_is_cleared_before_a_write(monkey
 def test_every_rank_follows_rank_zeros_word_on_reporting(monkeypatch, tmp_path):
     """The report is a barrier: a rank whose own clock says otherwise still reports exactly when
     rank 0 does (here rank 0 says: take it, do not report; this rank's clock says report)."""
-    from trainers import checkpointer
-    from trainers.checkpointer import Kind
+    from trainers import checkpoint_writer as checkpointer
+    from trainers.rules import Kind
 
     def rank_zero_says(tensor, src):
         assert src == 0
@@ -405,8 +259,7 @@ def test_every_rank_follows_rank_zeros_word_on_reporting(monkeypatch, tmp_path):
 def test_a_failed_write_between_reports_is_raised_at_the_next_wait_without_a_report(monkeypatch, tmp_path):
     """No other rank waits in a barrier for a checkpoint that is not reported: the error goes
     straight to the training thread."""
-    from trainers import checkpointer
-    from trainers.checkpointer import Kind
+    from trainers import checkpoint_writer as checkpointer
 
     reports = []
     c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reports.append(checkpoint),
@@ -424,7 +277,7 @@ def test_a_failed_write_between_reports_is_raised_at_the_next_wait_without_a_rep
 def test_a_failed_checkpoint_in_flight_does_not_cost_a_spot_notice_its_own(monkeypatch, tmp_path, caplog):
     from concurrent.futures import Future
 
-    from trainers.checkpointer import Kind
+    from trainers.rules import Kind
 
     reported = []
     c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reported.append(checkpoint.path))
@@ -439,7 +292,7 @@ def test_a_failed_checkpoint_in_flight_does_not_cost_a_spot_notice_its_own(monke
 
 
 def test_storage_failures_are_tried_three_times_then_raised(monkeypatch, caplog):
-    from trainers import checkpointer
+    from trainers import checkpoint_writer as checkpointer
 
     calls = []
 
@@ -471,8 +324,8 @@ def test_storage_failures_are_tried_three_times_then_raised(monkeypatch, caplog)
 def test_a_failed_write_still_joins_rays_report_barrier_then_raises(monkeypatch, tmp_path):
     """Only rank 0 writes; every other rank waits in the report's barrier. Raising before the
     report would leave them there and pair their next Ray collective with rank 0's next one."""
-    from trainers import checkpointer
-    from trainers.checkpointer import Kind
+    from trainers import checkpoint_writer as checkpointer
+    from trainers.rules import Kind
 
     reported = []
     c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: reported.append(checkpoint))
@@ -487,7 +340,7 @@ def test_writes_happen_in_the_calling_thread():
     """pyarrow's background writes would hand each upload to its shared I/O threads."""
     import pyarrow.fs as pafs
 
-    from trainers.checkpointer import foreground
+    from trainers.checkpoint_writer import foreground
 
     s3 = pafs.S3FileSystem(endpoint_override="127.0.0.1:9", scheme="http", allow_delayed_open=True, request_timeout=15)
     options = foreground(s3).__reduce__()[1][0]
@@ -505,7 +358,8 @@ def test_the_checkpoint_thread_yields_while_it_writes_and_reports_and_gets_its_p
     import os
     import threading
 
-    from trainers.checkpointer import Kind, idle_is_reversible
+    from trainers.checkpoint_thread import idle_is_reversible
+    from trainers.rules import Kind
 
     if not idle_is_reversible():
         pytest.skip("this machine does not let a thread leave SCHED_IDLE: the refusal test covers it")
@@ -542,7 +396,7 @@ def test_the_checkpoint_thread_yields_while_it_writes_and_reports_and_gets_its_p
 def test_a_checkpoint_still_in_flight_at_the_next_interval_step_is_hurried(monkeypatch):
     from concurrent.futures import Future
 
-    from trainers.checkpointer import Checkpointer
+    from trainers.checkpoint_writer import Checkpointer
 
     c = Checkpointer(validate({"name": "hurry", "checkpoint": {"interval": 5}}), None, "run", 0, 1,
                      torch.device("cpu"), lambda step, jit: None)
@@ -555,84 +409,14 @@ def test_a_checkpoint_still_in_flight_at_the_next_interval_step_is_hurried(monke
 
 
 @LINUX_ONLY
-def test_where_a_thread_could_not_leave_sched_idle_the_checkpoint_thread_never_enters_it(monkeypatch):
-    """Unprivileged with the usual RLIMIT_NICE of 0 (or root in a container without CAP_SYS_NICE),
-    Linux refuses the way back from SCHED_IDLE: the probe says so, and the thread never yields."""
-    import os
-
-    from trainers import checkpointer
-
-    real = os.sched_setscheduler
-
-    def no_way_back(pid, policy, param):
-        if policy != os.SCHED_IDLE:
-            raise PermissionError(1, "Operation not permitted")
-        return real(pid, policy, param)
-
-    monkeypatch.setattr(os, "sched_setscheduler", no_way_back)
-    assert checkpointer.idle_is_reversible.__wrapped__() is False
-    monkeypatch.setattr(os, "sched_setscheduler", real)
-    monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: False)
-    yielding = checkpointer.Yielding(os.getpid(), True)
-    seen = []
-    for _ in range(3):
-        yielding.before_work()
-        with yielding.idle():
-            seen.append(os.sched_getscheduler(0))
-    assert seen == [os.sched_getscheduler(0)] * 3
-
-
-@LINUX_ONLY
-def test_a_refused_policy_change_turns_yielding_off_and_training_goes_on(monkeypatch, caplog):
-    import os
-
-    from trainers import checkpointer
-
-    monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: True)
-    yielding = checkpointer.Yielding(os.getpid(), True)  # a thread that exists, then a sandbox that says no
-    monkeypatch.setattr(os, "sched_setscheduler", lambda *a: (_ for _ in ()).throw(PermissionError(1, "seccomp")))
-    with caplog.at_level("DEBUG"):
-        for _ in range(2):
-            yielding.before_work()
-            with yielding.idle():
-                pass
-        yielding.hurry()
-    assert yielding.enabled is False
-    assert "checkpoint thread keeps its scheduling: [Errno 1] seccomp" in caplog.text
-
-
-def test_a_worker_that_exits_with_a_checkpoint_in_flight_does_not_wait_for_it():
-    """Ray shuts a worker down gracefully (a finished trial, a driver that is gone) while its
-    training thread still runs: Python's exit must not join a checkpoint thread stuck in a report
-    whose barrier no other rank will join (concurrent.futures' threads are joined at exit)."""
-    import subprocess
-    import sys
-    import textwrap
-    from pathlib import Path
-
-    script = textwrap.dedent("""
-        import threading, torch
-        from trainers.checkpointer import Checkpointer
-        from trainers.config import validate
-        c = Checkpointer(validate({"name": "exit", "checkpoint": {"interval": 5}}), None, "run", 0, 1,
-                         torch.device("cpu"), lambda step, jit: None)
-        c._pending = c._thread.submit(threading.Event().wait)  # never returns
-        print("exiting", flush=True)
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stderr
-    assert "exiting" in done.stdout
-
-
-@LINUX_ONLY
 def test_closing_gives_a_yielding_checkpoint_thread_its_policy_back(monkeypatch, tmp_path):
     """A report that outlived ``settle`` goes on after the attempt ends: not at SCHED_IDLE, where a
     busy machine would starve it."""
     import os
     import threading
 
-    from trainers.checkpointer import Kind, idle_is_reversible
+    from trainers.checkpoint_thread import idle_is_reversible
+    from trainers.rules import Kind
 
     if not idle_is_reversible():
         pytest.skip("this machine does not let a thread leave SCHED_IDLE: the refusal test covers it")
@@ -661,11 +445,11 @@ def test_where_ranks_are_not_wholly_batch_scheduled_the_checkpoint_thread_never_
     thread on waking anyway; there an idle-class thread would only risk holding the GIL while starved."""
     import os
 
-    from trainers import checkpointer
-    from trainers.checkpointer import Kind
+    from trainers import checkpoint_thread
+    from trainers.rules import Kind
 
     # Where the process could leave SCHED_IDLE: only ``yield_cpu`` keeps the thread from it.
-    monkeypatch.setattr(checkpointer, "idle_is_reversible", lambda: True)
+    monkeypatch.setattr(checkpoint_thread, "idle_is_reversible", lambda: True)
     policies = []
     c = writing_checkpointer(monkeypatch, tmp_path, lambda metrics, checkpoint=None, **kw: policies.append(
         os.sched_getscheduler(0)), yield_cpu=False)
@@ -677,23 +461,3 @@ def test_where_ranks_are_not_wholly_batch_scheduled_the_checkpoint_thread_never_
     assert policies == [os.sched_getscheduler(0)] * 3 and os.SCHED_IDLE not in policies
 
 
-def test_the_checkpoint_thread_lets_go_of_a_snapshot_once_it_is_written():
-    """Not when the next one is handed over: rank 0 would hold two copies of its state at once."""
-    import time
-    import weakref
-
-    from trainers.checkpointer import BackgroundThread
-
-    class Snapshot:
-        pass
-
-    thread = BackgroundThread("etrain-test")
-    snapshot = Snapshot()
-    gone = weakref.ref(snapshot)
-    thread.submit(lambda s: None, snapshot).result(timeout=30)
-    del snapshot
-    deadline = time.monotonic() + 30
-    while gone() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    thread.close()
-    assert gone() is None

@@ -9,8 +9,8 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from trainers import checkpoint as ckpt
-from trainers.checkpoint import Candidate, choose_restore
+from trainers import checkpoint_files as ckpt
+from trainers.checkpoint_files import Candidate, choose_restore
 
 
 def make(run: str, step: int) -> str:

@@ -7,7 +7,7 @@ in ONE small all-reduce that carries the loss window, the stop vote, the preempt
 Ray Train's request to checkpoint before it resizes the group (and rank 0's step time, from
 which every rank sets the next check alike); Ray's own calls (heartbeat,
 stop request) run in a background thread, and checkpoints are written and reported in
-another (trainers.checkpointer).
+another (trainers.checkpoint_writer).
 
 The loss of every micro-batch is a SUM over its samples, scaled by world_size / global
 samples of the step; DDP averages gradients over ranks, so the update is the exact mean
@@ -21,10 +21,6 @@ import contextlib
 import dataclasses
 import gc
 import math
-import os
-import shutil
-import tempfile
-import threading
 import time
 from collections.abc import Callable
 
@@ -33,209 +29,22 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from cluster.metrics import node_kind
 from cluster.ray_adapter import BATCH_EVERY_THREAD, batch_schedule_worker, on_resize_request
 from cluster.storage import open_root
-from trainers import checkpoint as ckpt
-from trainers.checkpointer import Checkpointer, Kind
+from trainers import checkpoint_files as ckpt
+from trainers.checkpoint_writer import Checkpointer
 from trainers.config import JobSpec, batching_summary
 from trainers.console import progress_text
-from trainers.data import BatchPlan, Feed, StepMicroBatches, accounting
+from trainers.data import Feed, StepMicroBatches, accounting
+from trainers.model_ops import build_optimizer, params_in_sync, seed_generators, unwrap
 from trainers.observe import Observer, group_kinds
-from trainers.recovery import (HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, StopFlag, interruption_record,
-                               launcher_cause)
-from trainers.worker_log import worker_log, worker_logger
+from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeats, StopFlag, launcher_cause
+from trainers.rules import (Kind, halved_split, lr_factor, next_check_step, oom_message, oom_vote_due, plan_for,
+                            step_seed, sync_due, target_step)
+from trainers.worker_log import worker_logger
+from trainers.worker_services import (Pulse, ResizeRequest, own_node_kind, ray_preemption_noticed, record_interruption,
+                                      staging_folder, wait_out_preemption, wait_out_resize)
 from trainers.workloads import resolve
-
-
-# ------------------------------------------------------------------ decisions (pure)
-
-
-def lr_factor(step: int, total_steps: int, warmup_steps: int, min_ratio: float, kind: str) -> float:
-    """Multiplier on the base learning rate at ``step``: constant, or linear warmup then cosine."""
-    if kind == "constant":
-        return 1.0
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def target_step(spec: JobSpec, steps_per_epoch: int) -> int:
-    return spec.training.max_steps or spec.training.epochs * steps_per_epoch
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """RNG seed of one step on one rank: randomness (dropout) is a function of where we are,
-    so nothing random needs saving and a resumed run draws what an unbroken one would."""
-    return (seed * 1_000_003 + step) * 1_009 + rank
-
-
-def seed_generators(seed: int, device: torch.device) -> None:
-    """Seed the CPU generator and this device's, nothing else: torch.manual_seed also queues a lazy
-    seeding of every CUDA/XPU/MTIA device, and each such call formats a stack trace (about half a
-    millisecond a step on CPU, found with cProfile)."""
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
-
-
-def plan_for(spec: JobSpec, dataset) -> BatchPlan:
-    """The job's order of global batches: what a resume must find again, whatever the workers."""
-    lengths = getattr(dataset, "lengths", None)
-    return BatchPlan(len(dataset), spec.training.batch_size, spec.training.seed, spec.data.shuffle,
-                     lengths=lengths if spec.data.dynamic_batching else None,
-                     group_sizes=getattr(dataset, "group_sizes", None), window=spec.data.shuffle_window_row_groups)
-
-
-PREEMPTION_CHECK_S = 1.0  # preemption_check_steps "auto": a check about this often
-FIRST_CHECK_STEPS = 10  # "auto" before a step time is known
-MAX_CHECK_STEPS = 100  # "auto" with short steps: steps that turn slow (a stalled loader) are not waited out long
-
-
-def sync_due(done: int, log_every: int, next_check: int, interval_steps: int) -> bool:
-    """Whether step ``done`` does the small all-reduce (loss window, stop vote, preemption flag,
-    resize request)."""
-    return done % log_every == 0 or done >= next_check or done % interval_steps == 0
-
-
-def next_check_step(done: int, every: int | str, step_s: float) -> int:
-    """The step of the next preemption check after a sync at ``done``: every ``every`` steps, or with
-    "auto" about every PREEMPTION_CHECK_S at ``step_s``, rank 0's seconds a step since the last sync.
-    Every rank gets rank 0's value through the all-reduce (the others add zero), so all agree. Each
-    check is one small all-reduce: every 10 steps of ~3 ms, they cost ~4% of the throughput. Log steps
-    (``training.log_interval_steps``) sync as well."""
-    if every != "auto":
-        return done + int(every)
-    if step_s <= 0:
-        return done + FIRST_CHECK_STEPS
-    return done + max(1, min(MAX_CHECK_STEPS, int(PREEMPTION_CHECK_S / step_s)))
-
-
-def oom_vote_due(auto: bool, steps_at_this_split: int) -> bool:
-    """Whether ranks agree on out-of-memory at this step (one 1-element all-reduce).
-
-    ``auto``: every step (micro-batches vary, dynamic batching). A set micro-batch: the first
-    step of an attempt and of each new split, where memory peaks (activations, optimizer state).
-    """
-    return auto or steps_at_this_split == 0
-
-
-def halved_split(micro: int, per_worker: int, max_tokens: int | None) -> tuple[int, int, int | None] | None:
-    """(micro-batch, accumulation, token budget) after an out-of-memory step; None at micro-batch 1."""
-    if micro <= 1 and (max_tokens is None or max_tokens <= 1):
-        return None
-    new_micro = max(1, micro // 2)
-    new_tokens = max(1, max_tokens // 2) if max_tokens else None
-    return new_micro, math.ceil(per_worker / new_micro), new_tokens
-
-
-def oom_message(micro: int, params: int, param_bytes: int, device: torch.device) -> str:
-    """The error when even micro-batch 1 does not fit: what the model needs, what the device has."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        memory = f"{device} has {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free now)"
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        memory = f"this node has {total / 2**30:.1f} GiB of memory"
-    return (f"out of memory at micro-batch {micro}: the model has {params:,} parameters "
-            f"({param_bytes / 2**30:.2f} GiB of weights, about {4 * param_bytes / 2**30:.2f} GiB with gradients "
-            f"and Adam state); {memory}. Use a smaller model, shorter sequences "
-            "(data.max_tokens_per_batch, model.max_seq_len), training.gradient_checkpointing: true, "
-            "or a device with more memory")
-
-
-# ------------------------------------------------------------------ helpers with state
-
-
-class Pulse:
-    """Rank 0's background thread: the heartbeat in Ray's KV and the stop request poll.
-
-    Off the step path: the loop only writes ``step`` and reads ``stop_requested``, which rides
-    the next sync step's all-reduce so every rank stops at the same step.
-    """
-
-    def __init__(self, beats: Heartbeats, stop_flag: StopFlag, world: int, interval_s: float = HEARTBEAT_INTERVAL_S):
-        self.beats, self.stop_flag, self.world, self.interval_s = beats, stop_flag, world, interval_s
-        self.step, self.stop_requested = 0, False
-        self._held_at = 0  # the step of a just-in-time checkpoint: its beat (with the cause) must be the last
-        self._lock = threading.Lock()
-        self._halt = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="etrain-pulse", daemon=True)
-
-    def start(self) -> Pulse:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._halt.wait(self.interval_s):
-            try:
-                with self._lock:
-                    if self.step and self.step != self._held_at:
-                        self.beats.beat(self.step, self.world, force=True)
-                self.stop_requested = self.stop_requested or self.stop_flag.requested()
-            except Exception as exc:  # boundary: a missed beat only blurs recovery accounting; try next tick
-                worker_log().warning("note: heartbeat: %s: %s", type(exc).__name__, exc)
-
-    def took_over(self, step: int) -> None:
-        """The attempt's first step is done and the one before it recorded: beat at once, so that
-        the beat an attempt after this one reads is this attempt's. A failure before the first tick
-        (a node cut a second after the restart) would otherwise leave the previous attempt's beat
-        there, and the next attempt would record that interruption again, cause and all."""
-        try:
-            with self._lock:
-                self.beats.beat(step, self.world, force=True)
-                self._held_at = 0
-        except Exception as exc:  # boundary: as in _run, a missed beat must not end the attempt
-            worker_log().warning("note: heartbeat: %s: %s", type(exc).__name__, exc)
-
-    def checkpointed(self, step: int, jit: bool) -> None:
-        """A beat at each checkpoint; after a just-in-time one, none until training moves on."""
-        with self._lock:
-            self.beats.beat(step, self.world, cause="preemption notice" if jit else None, force=True)
-            self._held_at = step if jit else 0
-
-    def stop(self) -> None:
-        self._halt.set()
-
-
-class ResizeRequest:
-    """Ray Train's word, on a worker, that it is about to restart the group to resize it
-    (cluster.ray_adapter.CheckpointBeforeResize, in Ray's actor thread beside the training
-    thread). The loop reads ``asked`` at its next sync step, where every rank agrees on it through
-    the all-reduce as on a stop, checkpoints, and says at which step (:meth:`saved`)."""
-
-    def __init__(self):
-        self.asked = threading.Event()
-        self._answered = threading.Event()
-        self.step: int | None = None
-
-    def ask(self, timeout_s: float) -> int | None:
-        """The step of the checkpoint taken for the resize (written: on rank 0 in storage), or None
-        (none within ``timeout_s``, or the attempt ended first)."""
-        self.step = None
-        self._answered.clear()
-        self.asked.set()
-        self._answered.wait(timeout_s)
-        return self.step
-
-    def saved(self, step: int | None) -> None:
-        """On the training thread: answered (None: the attempt ended without one)."""
-        self.asked.clear()
-        self.step = step
-        self._answered.set()
-
-
-RESIZE_GRACE_S = 300.0  # past the controller's wait for every rank's answer, and its shutdown's
-
-
-def wait_out_resize(rank: int, step: int, grace_s: float = RESIZE_GRACE_S) -> None:
-    """After the checkpoint before a resize, stop doing work the restart would throw away: Ray
-    Train shuts the group down once every rank has answered. Should it not (a Ray that changed
-    how it resizes), training goes on after ``grace_s``, and a later request is answered anew."""
-    if rank == 0:
-        worker_log().info(f"resize: checkpoint at step {step} saved; Ray Train restarts the group now")
-    time.sleep(grace_s)
 
 
 @dataclasses.dataclass
@@ -499,7 +308,7 @@ class Trainer:
         b = self.batching
         split = halved_split(b.micro, b.per_worker, b.max_tokens)
         if split is None:
-            model = _unwrap(self.model)
+            model = unwrap(self.model)
             params = sum(p.numel() for p in model.parameters())
             raise torch.OutOfMemoryError(oom_message(b.micro, params, sum(p.numel() * p.element_size() for p in model.parameters()),
                                                      self.device))
@@ -578,7 +387,7 @@ class Trainer:
         t, b = self.spec.training, self.batching
         return lambda: {
             "format": ckpt.FORMAT_VERSION, "step": done, "cursor": vars(self.plan.cursor(done)),
-            "model": _unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+            "model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
             "world_size": self.world, "global_batch_size": t.batch_size,
             "batching": {"micro_batch_size": b.micro, "max_tokens": b.max_tokens, "reductions": list(b.reductions)},
@@ -617,83 +426,3 @@ class Clock:
     def __post_init__(self) -> None:
         self.window_start = self.run_start
 
-
-# ------------------------------------------------------------------ small parts
-
-
-def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
-    t = spec.training
-    if t.optimizer == "SGD":
-        return torch.optim.SGD(params, lr=t.learning_rate, momentum=t.momentum, weight_decay=t.weight_decay)
-    cls = torch.optim.AdamW if t.optimizer == "AdamW" else torch.optim.Adam
-    return cls(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-
-
-def ray_preemption_noticed() -> bool:
-    """This worker's own view of a spot notice: a local read, no Ray call (the agreement rides the all-reduce)."""
-    from cluster.ray_adapter import local_preemption_info
-
-    return local_preemption_info() is not None
-
-
-def staging_folder(job_key: str) -> str:
-    """Rank 0's local folder for this job on this node: TensorBoard files before upload (checkpoints
-    go straight to storage). Emptied when an attempt starts, so an attempt killed with its
-    processes (a lost node, a restart) leaves nothing behind the next one."""
-    path = os.path.join(tempfile.gettempdir(), job_key.replace("/", "-"))
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
-    return path
-
-
-FAILURE_CAUSES = {"user_error": "user error", "node_lost": "node lost", "preemption": "preemption"}
-
-
-def record_interruption(root, job: str, last: Heartbeat, restored_step: int, world: int,
-                        previous_failure: str | None) -> None:
-    """Rank 0, at the first step after a restart: append what the interruption cost to storage."""
-    if last.cause is None and previous_failure:
-        last = dataclasses.replace(last, cause=FAILURE_CAUSES.get(previous_failure, previous_failure))
-    elif last.cause is None and world > last.world_size:
-        last = dataclasses.replace(last, cause="scale up")  # Ray Train restarted the group to grow it
-    record = interruption_record(last, restored_step, world, time.time())
-    records = root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else []
-    root.write_json([*records, record], job, INTERRUPTIONS_FILE)
-    worker_log().info(f"recovered from {record['cause']} in {record['recovery_s']:.1f}s: "
-                      f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}")
-
-
-def own_node_kind():
-    """This worker's node: instance type and market, from its custom resources."""
-    node_id = ray.get_runtime_context().get_node_id()
-    resources = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node_id), {})
-    return node_kind(resources)
-
-
-def wait_out_preemption(info, rank: int, step: int, grace_s: float = 30.0) -> None:
-    """After the just-in-time checkpoint, stop doing work that the restart would throw away.
-
-    Ray Train restarts the run at the deadline; if that does not happen (the notice was a
-    false alarm), training goes on after the grace period.
-    """
-    deadline_s = (info.deadline_ms / 1000 - time.time()) if info.deadline_ms else 0.0
-    if rank == 0:
-        worker_log().warning(f"preemption notice for nodes {info.preempted_node_ids}: checkpoint at step {step} "
-                             f"saved; idling {max(0.0, deadline_s):.0f}s until the restart")
-    time.sleep(max(0.0, deadline_s) + grace_s)
-
-
-def params_in_sync(model: torch.nn.Module, world: int) -> bool:
-    """Whether every rank holds the same parameters: compare a float64 checksum across ranks."""
-    if world == 1:
-        return True
-    with torch.no_grad():
-        total = sum(p.double().sum() * (i + 1) for i, p in enumerate(_unwrap(model).parameters()))
-    both = torch.stack([total, -total]).reshape(2)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return bool(both[0] == -both[1])
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    model = getattr(model, "_orig_mod", model)  # torch.compile
-    return getattr(model, "module", model)  # DDP

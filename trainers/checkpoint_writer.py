@@ -34,76 +34,25 @@ training thread.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
 import posixpath
-import queue
-import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from enum import Enum
 
 import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 
 from cluster.storage import s3_client_like
-from trainers import checkpoint as ckpt
+from trainers import checkpoint_files as ckpt
+from trainers.checkpoint_thread import BackgroundThread, Yielding, short_gil_slices
+from trainers.rules import Kind, checkpoint_kind, interval_checkpoint_ok, report_due
 from trainers.worker_log import worker_log
-
-
-class Kind(Enum):
-    INTERVAL = "interval"
-    FINAL = "final"  # the run's last step, or a stop request
-    JIT = "jit"  # a preemption notice: durable before the node goes
-    RESIZE = "resize"  # Ray Train restarts the group to resize it: durable before, not reported (its controller waits)
-
-
-def checkpoint_kind(done: int, stop: int, interval_steps: int, gap_ok: bool, preempted: bool,
-                    stop_requested: bool, resizing: bool = False) -> Kind | None:
-    """Which checkpoint, if any, step ``done`` takes. ``gap_ok``: the minimum time since the last one passed.
-    ``resizing``: the controller waits to restart the group (a run at its end finishes instead)."""
-    if preempted:
-        return Kind.JIT
-    if done == stop or stop_requested:
-        return Kind.FINAL
-    if resizing:
-        return Kind.RESIZE
-    if done % interval_steps == 0 and gap_ok:
-        return Kind.INTERVAL
-    return None
-
 
 # How long a failed attempt waits for its checkpoint in flight to be reported: a report waits for
 # the controller's next poll (~2 s) after the upload.
 SETTLE_TIMEOUT_S = 30.0
-
-
-def report_due(kind: Kind, since_report_s: float, report_interval_s: float) -> bool:
-    """Whether a checkpoint is reported to Ray, retention runs and the observer flushes.
-
-    A final or just-in-time checkpoint always is (Ray's result, and what outlives the node); an
-    interval one when ``report_interval_s`` has passed since the last report. The ones between
-    are written and restorable all the same. One before a resize never is: the controller that
-    would take the report is waiting for it to be written.
-    """
-    if kind is Kind.INTERVAL:
-        return since_report_s >= report_interval_s
-    return kind in (Kind.FINAL, Kind.JIT)
-
-
-def interval_checkpoint_ok(since_last_s: float, min_gap_s: float, previous_in_flight: bool) -> bool:
-    """Whether an interval checkpoint is taken now, or left to the next interval step.
-
-    Never while the previous one is still being written and reported: Ray takes one report per
-    controller poll (about 2 s), so waiting for it would stall training; skipping costs only
-    how fresh the newest checkpoint is.
-    """
-    return since_last_s >= min_gap_s and not previous_in_flight
 
 
 def to_cpu(obj, pin: bool = False):
@@ -118,138 +67,6 @@ def to_cpu(obj, pin: bool = False):
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_cpu(v, pin) for v in obj)
     return obj
-
-
-@contextlib.contextmanager
-def short_gil_slices(interval_s: float = 0.0005):
-    """While the background thread runs Python, hand the GIL back to the training thread within
-    ``interval_s`` of its asking (after each torch op it releases it) instead of Python's 5 ms."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(interval_s)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
-
-
-@functools.cache
-def idle_is_reversible() -> bool:
-    """Whether a thread of this process may go to SCHED_IDLE and come back (Linux; root,
-    CAP_SYS_NICE, or an RLIMIT_NICE of 20: sched(7) treats leaving SCHED_IDLE as lowering nice
-    from 20). Where it may not, a thread that training must wait for could not be hurried."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
-    said: list[bool] = []
-
-    def probe() -> None:  # on a thread of its own: nothing else is touched if the way back fails
-        policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, policy, param)
-            said.append(True)
-        except OSError:
-            said.append(False)
-
-    thread = threading.Thread(target=probe, name="etrain-idle-probe")
-    thread.start()
-    thread.join()
-    return said[0]
-
-
-class Yielding:
-    """The checkpoint thread's scheduling: SCHED_IDLE around the parts of its work that start no
-    thread (a thread inherits its creator's policy, and an idle-class pyarrow I/O thread, which
-    the data loader shares, or TensorBoard writer would stay idle for good), its own policy for
-    the rest, and its own policy the moment training waits for it. Never for its first piece of
-    work: the threads that one starts (Ray's report thread) keep the normal policy."""
-
-    def __init__(self, tid: int, wanted: bool):
-        self.tid = tid
-        self.enabled = wanted and idle_is_reversible()
-        self.own = (os.sched_getscheduler(tid), os.sched_getparam(tid)) if self.enabled else None
-        self.started = 0
-        self._hurried = False
-        self._lock = threading.Lock()  # the training thread hurries while the thread yields
-
-    def before_work(self) -> None:
-        """On the training thread, before handing the thread a piece of work."""
-        with self._lock:
-            self.started += 1
-            self._hurried = False
-
-    @contextlib.contextmanager
-    def idle(self):
-        """On the checkpoint thread, around work that starts no thread. The lock guards the flag
-        only: an idle-class thread preempted while holding it would make ``hurry`` wait."""
-        with self._lock:
-            yielding = (self.enabled and self.started > 1 and not self._hurried
-                        and threading.get_native_id() == self.tid)  # not a JIT write on the training thread
-        if yielding:
-            self._set(os.SCHED_IDLE, os.sched_param(0))
-            with self._lock:
-                hurried = self._hurried
-            if hurried:  # while it switched
-                self._set(*self.own)
-        try:
-            yield
-        finally:
-            with self._lock:
-                hurried = self._hurried
-            if yielding and self.enabled and not hurried:
-                self._set(*self.own)
-
-    def hurry(self) -> None:
-        """On the training thread: it waits for the checkpoint thread now, or finds it still busy."""
-        with self._lock:
-            self._hurried = True
-        if self.enabled:
-            self._set(*self.own)
-
-    def stop(self) -> None:
-        with self._lock:
-            self.enabled = False  # the thread id may soon be another thread's
-
-    def _set(self, policy: int, param) -> None:
-        try:
-            os.sched_setscheduler(self.tid, policy, param)
-        except OSError as exc:  # the thread is gone, or a sandbox said no: never worth a failed step
-            self.enabled = False
-            worker_log().debug("checkpoint thread keeps its scheduling: %s", exc)
-
-
-class BackgroundThread:
-    """One daemon thread that runs the work handed to it in order, each piece's outcome in a Future.
-
-    Not concurrent.futures' pool: Python joins its threads at exit, and a worker that Ray shuts
-    down while a checkpoint is in flight (a finished sweep's trial, a job whose driver is gone)
-    then waited for it past Ray's graceful-shutdown limit, yielding to the training thread that
-    was still running. Every path that needs a checkpoint finished waits for its Future.
-    """
-
-    def __init__(self, name: str):
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-        self.native_id: int = self._thread.native_id
-
-    def submit(self, fn: Callable, *args) -> Future:
-        future: Future = Future()
-        self._work.put((future, fn, args))
-        return future
-
-    def close(self) -> None:
-        """The thread ends after the work already handed to it."""
-        self._work.put(None)
-
-    def _run(self) -> None:
-        while (item := self._work.get()) is not None:
-            future, fn, args = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001  (the Future carries it to whoever waits)
-                    future.set_exception(exc)
-            del item, future, fn, args  # the snapshot goes now, not when the next one is handed over
 
 
 @dataclass
