@@ -1,12 +1,17 @@
-"""What the loop does to a model beyond forward and backward: build its optimizer, seed its
-generators, check that DDP replicas agree, and reach the module under DDP and torch.compile."""
+"""What the loop does to a model beyond forward and backward: build its optimizer, schedule and
+autocast, seed its generators, check that DDP replicas agree, and reach the module under DDP
+and torch.compile."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from trainers.config import JobSpec
+from trainers.rules import lr_factor
 
 
 def seed_generators(seed: int, device: torch.device) -> None:
@@ -40,3 +45,16 @@ def params_in_sync(model: torch.nn.Module, world: int) -> bool:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     model = getattr(model, "_orig_mod", model)  # torch.compile
     return getattr(model, "module", model)  # DDP
+
+
+def lr_scheduler(spec: JobSpec, optimizer: torch.optim.Optimizer, target_step: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The spec's schedule (trainers.rules.lr_factor) over the run's ``target_step`` steps."""
+    s = spec.training.lr_schedule
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, target_step, s.warmup_steps, s.min_lr_ratio, s.kind))
+
+
+def autocast_for(device: torch.device, precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A maker of the forward pass's autocast context for the resolved mixed precision ("no": none)."""
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return (lambda: torch.autocast(device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext

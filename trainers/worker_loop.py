@@ -1,9 +1,9 @@
-"""The Trainer: setup, restore, ``train_step``, and ``train()`` on one screen.
+"""The Trainer: its state built in one place, ``train_step``, and ``train()`` on one screen.
 
 Per step it does what plain DDP does and no more: forward/backward over the step's micro-
 batches, the optimizer step. Everything else happens at "sync steps" (every log interval,
 every ``checkpoint.preemption_check_steps``, by default about once a second, at checkpoints)
-in ONE small all-reduce that carries the loss window, the stop vote, the preemption flag and
+in ONE small all-reduce (trainers.sync_step) that carries the loss window, the stop vote, the preemption flag and
 Ray Train's request to checkpoint before it resizes the group (and rank 0's step time, from
 which every rank sets the next check alike); Ray's own calls (heartbeat,
 stop request) run in a background thread, and checkpoints are written and reported in
@@ -36,11 +36,12 @@ from trainers.checkpoint_writer import Checkpointer
 from trainers.config import JobSpec, batching_summary
 from trainers.console import progress_text
 from trainers.data import Feed, StepMicroBatches, accounting
-from trainers.model_ops import build_optimizer, params_in_sync, seed_generators, unwrap
+from trainers.model_ops import autocast_for, build_optimizer, lr_scheduler, params_in_sync, seed_generators, unwrap
 from trainers.observe import Observer, group_kinds
 from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeats, StopFlag, launcher_cause
-from trainers.rules import (Kind, halved_split, lr_factor, next_check_step, oom_message, oom_vote_due, plan_for,
-                            step_seed, sync_due, target_step)
+from trainers.rules import (Kind, halved_split, next_check_step, oom_message, oom_vote_due, plan_for, step_seed,
+                            sync_due, target_step)
+from trainers.sync_step import SyncOutcome, SyncVector
 from trainers.worker_log import worker_logger
 from trainers.worker_services import (Pulse, ResizeRequest, own_node_kind, ray_preemption_noticed, record_interruption,
                                       staging_folder, wait_out_preemption, wait_out_resize)
@@ -63,7 +64,22 @@ class Batching:
         return math.ceil(self.per_worker / self.micro)
 
 
+def first_batching(spec: JobSpec, world: int, saved: dict) -> Batching:
+    """The split at the start of an attempt: the spec's, or a smaller one healed after an
+    out-of-memory in an earlier attempt (``saved``, from the checkpoint), kept for the run."""
+    t, data = spec.training, spec.data
+    per_worker, micro, _ = batching_summary(t.batch_size, world, t.micro_batch_size, t.grad_accum_steps)
+    tokens = data.max_tokens_per_batch if data.dynamic_batching else None
+    if saved.get("micro_batch_size"):
+        micro = min(micro, saved["micro_batch_size"])
+        tokens = min(tokens, saved["max_tokens"]) if tokens and saved.get("max_tokens") else tokens
+    return Batching(per_worker, micro, tokens, t.micro_batch_size == "auto", list(saved.get("reductions", [])))
+
+
 class Trainer:
+    """One rank's attempt: everything it holds is built here, in the order the ranks agree on
+    (restore, then the model under DDP, then the services), and ``train()`` runs the loop."""
+
     def __init__(self, config: dict):
         self.config = config
         self.spec = spec = JobSpec.model_validate(config["spec"])
@@ -77,57 +93,52 @@ class Trainer:
         self.plan = plan_for(spec, self.dataset)
         self.target = target_step(spec, self.plan.steps_per_epoch)
         self.stop = min(self.target, config.get("stop_at_step") or self.target)
-        self.start, self.restored, self.jit_taken = 0, {}, False
-        self.folders_found: set[str] | None = None  # rank 0: the checkpoint folders storage held at restore
+        self.jit_taken = False
         self.logger = worker_logger(self.rank)
         # CPU ranks wholly, else Ray's main thread: its wake-ups and gloo's must not preempt the step
         self.scheduling = batch_schedule_worker(whole_process=self.device.type == "cpu")
         self.logger.debug("worker threads: %s", self.scheduling)
-
-    # -------------------------------------------------------------- setup and restore
-
-    def setup(self) -> None:
-        t = self.spec.training
-        torch.manual_seed(t.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
-        self.model = self.workload.build_model(self.spec)
-        self.optimizer = build_optimizer(self.spec, self.model.parameters())
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(
-            s, self.target, t.lr_schedule.warmup_steps, t.lr_schedule.min_lr_ratio, t.lr_schedule.kind))
-        precision = self.config["mixed_precision"]
+        # The model's parts, then the newest verified checkpoint into them
+        torch.manual_seed(spec.training.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
+        self.model = self.workload.build_model(spec)
+        self.optimizer = build_optimizer(spec, self.model.parameters())
+        self.scheduler = lr_scheduler(spec, self.optimizer, self.target)
+        precision = config["mixed_precision"]
         self.scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
-        amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        self.autocast = (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if amp_dtype else contextlib.nullcontext
-        self.restore()
-        d = self.spec.distributed
-        ddp_kwargs = {"find_unused_parameters": d.find_unused_parameters,
-                      "gradient_as_bucket_view": d.gradient_as_bucket_view, "static_graph": d.static_graph}
-        self.model = ray.train.torch.prepare_model(self.model, parallel_strategy_kwargs=ddp_kwargs if self.world > 1 else None)
-        if t.compile:
-            self.model = torch.compile(self.model)
-        for st in self.optimizer.state.values():  # loaded on CPU; move it where the parameters now live
-            for k, v in st.items():
-                if torch.is_tensor(v) and k != "step":
-                    st[k] = v.to(self.device)
-        per_worker, micro, _ = batching_summary(t.batch_size, self.world, t.micro_batch_size, t.grad_accum_steps)
-        data = self.spec.data
-        tokens = data.max_tokens_per_batch if data.dynamic_batching else None
-        saved = self.restored.get("batching") or {}
-        if saved.get("micro_batch_size"):  # a split healed after an out-of-memory is kept for the run
-            micro = min(micro, saved["micro_batch_size"])
-            tokens = min(tokens, saved["max_tokens"]) if tokens and saved.get("max_tokens") else tokens
-        self.batching = Batching(per_worker, micro, tokens, t.micro_batch_size == "auto", list(saved.get("reductions", [])))
-        self.open_loader(self.start)
-        # loss, samples, tokens, stop, preempt, rank 0's seconds a step since the last sync, resize
-        self.window = torch.zeros(7, dtype=torch.float64, device=self.device)
+        self.autocast = autocast_for(self.device, precision)
+        # rank 0: the checkpoint folders storage held at restore (the writer clears only those)
+        self.start, self.restored, self.folders_found = self.restore()
+        self.model = self.distribute(self.model)
+        self.batching = first_batching(spec, self.world, self.restored.get("batching") or {})
+        self.steps, self.feed = self.open_loader(self.start, tuned=self.restored.get("loader"))
+        self.window = SyncVector(self.device)
         self.samples = self.tokens = 0  # this rank's since the last sync step: Python ints, no tensor op per micro-batch
-        self.totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # reduced window since the last log
+        self.totals = [0.0, 0.0, 0.0]  # the group's loss sum, samples and tokens since the last log
+        # The services beside the loop
+        beats = Heartbeats(self.job_key, config.get("run_id") or "", HEARTBEAT_INTERVAL_S,
+                           config.get("attempt_started_at", 0.0)) if self.rank == 0 else None
+        self.pending_beat = beats.last() if beats else None  # the attempt before this one died at its last beat
+        self.pulse = Pulse(beats, StopFlag(self.job_key, (self.root, self.job)), self.world).start() if beats else None
+        self.observer = self.start_observer()
+        after_write = self.pulse.checkpointed if self.pulse else (lambda step, jit: None)
+        self.checkpointer = Checkpointer(spec, self.root, self.run_path, self.rank, self.world, self.device, after_write,
+                                         yield_cpu=self.scheduling == BATCH_EVERY_THREAD, folders_found=self.folders_found)
+        self.resize = ResizeRequest()
+        on_resize_request(self.resize.ask)
+        # The loop's clocks, set again when it starts
+        self.clock = Clock(time.perf_counter())
+        self.last_sync = (self.start, self.clock.run_start)
+        self.next_check = next_check_step(self.start, spec.checkpoint.preemption_check_steps, 0.0)
 
-    def restore(self) -> None:
-        """Rank 0 picks the newest verified checkpoint; every rank loads that one."""
-        choice = [None]
+    # -------------------------------------------------------------- building
+
+    def restore(self) -> tuple[int, dict, set[str] | None]:
+        """Rank 0 picks the newest verified checkpoint; every rank loads that one into the model's parts.
+        The step to start at, what else the checkpoint carried, and (rank 0) the folders storage held."""
+        choice, folders_found = [None], None
         if self.rank == 0:
             folders = ckpt.checkpoint_folders(self.root.fs, self.run_path)
-            self.folders_found = {path for _, path in folders}
+            folders_found = {path for _, path in folders}
             chosen, skipped = ckpt.find_restore(self.root.fs, self.run_path, folders)
             for c in skipped:
                 self.logger.warning("skipping checkpoint %s: %s", self.root.uri_of(c.path[len(self.root.base) + 1:]),
@@ -136,65 +147,65 @@ class Trainer:
         if self.world > 1:
             dist.broadcast_object_list(choice, src=0)
         if not choice[0]:
-            return
+            return 0, {}, folders_found
         state = ckpt.load_state(self.root.fs, choice[0])
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.start, self.restored = state["step"], {"observer": state.get("observer"), "batching": state.get("batching"),
-                                                    "loader": state.get("loader")}
-        self.logger.info("resumed from step %s (saved at world size %s, now %s; cursor %s)", self.start,
+        self.logger.info("resumed from step %s (saved at world size %s, now %s; cursor %s)", state["step"],
                          state["world_size"], self.world, state["cursor"])
+        restored = {"observer": state.get("observer"), "batching": state.get("batching"), "loader": state.get("loader")}
+        return state["step"], restored, folders_found
 
-    def open_loader(self, step: int) -> None:
+    def distribute(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model under DDP (and torch.compile), with the optimizer's state on its device."""
+        d = self.spec.distributed
+        ddp_kwargs = {"find_unused_parameters": d.find_unused_parameters,
+                      "gradient_as_bucket_view": d.gradient_as_bucket_view, "static_graph": d.static_graph}
+        model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs=ddp_kwargs if self.world > 1 else None)
+        if self.spec.training.compile:
+            model = torch.compile(model)
+        for st in self.optimizer.state.values():  # loaded on CPU; move it where the parameters now live
+            for k, v in st.items():
+                if torch.is_tensor(v) and k != "step":
+                    st[k] = v.to(self.device)
+        return model
+
+    def open_loader(self, step: int, tuned: dict | None) -> tuple[StepMicroBatches, Feed]:
+        """This rank's micro-batches from ``step`` and the feed that loads them. ``tuned``: the loader
+        setting to keep (a resume: the one saved; a new split after out-of-memory: the feed's own)."""
         b, data = self.batching, self.spec.data
-        self.steps = StepMicroBatches(self.plan, self.rank, self.world, b.micro, b.max_tokens)
-        # A new split (out of memory) keeps the loader setting the feed had tuned; a resume, the one saved.
-        tuned = self.feed.state() if getattr(self, "feed", None) is not None else self.restored.get("loader")
-        self.feed = Feed(self.dataset, self.steps, step, self.stop, data.num_workers, data.prefetch_factor, self.device,
-                         tuned=tuned, announce=self.logger.info,
-                         record_ids=data.record_sample_ids)
+        steps = StepMicroBatches(self.plan, self.rank, self.world, b.micro, b.max_tokens)
+        feed = Feed(self.dataset, steps, step, self.stop, data.num_workers, data.prefetch_factor, self.device,
+                    tuned=tuned, announce=self.logger.info, record_ids=data.record_sample_ids)
+        return steps, feed
 
-    def start_services(self) -> None:
-        """Heartbeat and stop poll, node kinds for cost, the observer, the checkpointer."""
-        spec, rank = self.spec, self.rank
-        beats = Heartbeats(self.job_key, self.config.get("run_id") or "", HEARTBEAT_INTERVAL_S,
-                           self.config.get("attempt_started_at", 0.0)) if rank == 0 else None
-        self.pending_beat = beats.last() if beats else None  # the attempt before this one died at its last beat
-        self.pulse = Pulse(beats, StopFlag(self.job_key, (self.root, self.job)), self.world).start() if rank == 0 \
-            else None
+    def start_observer(self) -> Observer:
+        """Metrics, TensorBoard and cost; node kinds gathered once per attempt for the cost."""
         kinds = [(ray.get_runtime_context().get_node_id(), own_node_kind())]
         if self.world > 1:  # once per attempt: which nodes the group runs on, for its cost
             gathered = [None] * self.world
             dist.all_gather_object(gathered, kinds[0])
             kinds = gathered
-        staging = staging_folder(self.job_key) if rank == 0 else None
-        self.observer = Observer(spec, self.root, rank, self.device, self.config.get("submitted_at") or time.time(),
-                                 self.restored.get("observer"), group_kinds(kinds), job=self.job, staging=staging,
-                                 start_step=self.start)
-        if rank == 0:
+        staging = staging_folder(self.job_key) if self.rank == 0 else None
+        observer = Observer(self.spec, self.root, self.rank, self.device, self.config.get("submitted_at") or time.time(),
+                            self.restored.get("observer"), group_kinds(kinds), job=self.job, staging=staging,
+                            start_step=self.start)
+        if self.rank == 0:
             known = self.root.read_json(self.job, INTERRUPTIONS_FILE) if self.root.exists(self.job, INTERRUPTIONS_FILE) else []
-            self.observer.interruptions(known)
-
-        after_write = self.pulse.checkpointed if self.pulse else (lambda step, jit: None)
-        self.checkpointer = Checkpointer(spec, self.root, self.run_path, rank, self.world, self.device, after_write,
-                                         yield_cpu=self.scheduling == BATCH_EVERY_THREAD, folders_found=self.folders_found)
-        self.resize = ResizeRequest()
-        on_resize_request(self.resize.ask)
+            observer.interruptions(known)
+        return observer
 
     # -------------------------------------------------------------- the loop
 
     def train(self) -> None:
-        self.setup()
-        self.start_services()
         t, b = self.spec.training, self.batching
         self.logger.info(f"{self.spec.name}: world size {self.world}, global batch {t.batch_size} = {b.per_worker}/worker "
                          f"(micro-batch {b.micro} x {b.accum} accumulation{', dynamic by tokens' if b.max_tokens else ''}); "
                          f"steps {self.start} -> {self.stop} of {self.target}, {self.plan.steps_per_epoch} per epoch")
         self.clock = Clock(time.perf_counter())
         self.last_sync = (self.start, self.clock.run_start)
-        self.next_check = next_check_step(self.start, self.spec.checkpoint.preemption_check_steps, 0.0)
         self.model.train()
         try:
             for step in range(self.start, self.stop):
@@ -205,25 +216,26 @@ class Trainer:
                     self.pulse.step = done
                 if done != self.stop and not sync_due(done, t.log_interval_steps, self.next_check, self.checkpointer.interval_steps):
                     continue
-                stop_now, preempted, resizing = self.sync(done)
+                synced = self.sync(done)
                 preemption = None
-                if preempted and not self.jit_taken:  # agree on the notice (a Ray barrier: only when flagged)
+                if synced.preempted and not self.jit_taken:  # agree on the notice (a Ray barrier: only when flagged)
                     # One Ray collective at a time, in the same order on every rank; an earlier failed
                     # upload is logged, not raised: the notice's own checkpoint comes first.
                     self.checkpointer.settle(timeout_s=None)
                     preemption = ray.train.get_preemption_info()
                     self.jit_taken = preemption is not None
-                kind = self.checkpointer.kind(done, self.stop, preemption is not None, stop_now, resizing)
+                kind = self.checkpointer.kind(done, self.stop, preemption is not None, synced.stop,
+                                               synced.resizing)
                 if kind is None and done % t.log_interval_steps:
                     continue
                 metrics = self.log(done)
                 if kind is not None:  # when resizing, this step's checkpoint, whatever its kind, answers the resize
-                    self.save(done, kind, metrics, written=self.resize.saved if resizing else None)
+                    self.save(done, kind, metrics, written=self.resize.saved if synced.resizing else None)
                 if preemption is not None:
                     wait_out_preemption(preemption, self.rank, done)
                 if kind is Kind.RESIZE:
                     wait_out_resize(self.rank, done)
-                if stop_now:
+                if synced.stop:
                     self.logger.info("stop requested: stopped at step %d with a checkpoint; run again to resume", done)
                     break
             self.checkpointer.wait()
@@ -259,7 +271,7 @@ class Trainer:
         shares = self.steps.at(step)
         scale = self.world / len(self.plan.global_batch_at(step))
         vote = oom_vote_due(self.batching.auto, self.batching.steps_at_split)
-        before = (self.window[0].clone(), self.samples, self.tokens) if vote else None
+        before = (self.window.loss, self.samples, self.tokens) if vote else None
         out_of_memory, last = False, len(shares) - 1
         for i in range(len(shares)):
             waited = time.perf_counter()
@@ -278,7 +290,7 @@ class Trainer:
                     raise
                 out_of_memory = True
                 break
-            self.window[0] += loss_sum.detach().double()
+            self.window.add_loss(loss_sum)
             self.samples += n
             self.tokens += tokens
         if not vote:
@@ -287,14 +299,14 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(flag)
         if flag.item() > 0:
-            self.window[0], self.samples, self.tokens = before
+            self.window.loss, self.samples, self.tokens = before
             return False
         try:
             self.scaler.scale(loss_sum * scale).backward()
         except torch.OutOfMemoryError as exc:  # past the vote: the other ranks are in DDP's all-reduce
             raise RuntimeError("out of memory in the last backward of a step, after ranks agreed it fits: "
                                "set a smaller training.micro_batch_size") from exc
-        self.window[0] += loss_sum.detach().double()
+        self.window.add_loss(loss_sum)
         self.samples += n
         self.tokens += tokens
         return True
@@ -317,35 +329,28 @@ class Trainer:
         self.logger.info(f"out of memory at step {step} with micro-batch {b.micro}: now micro-batch {micro} x {accum} "
                          f"accumulation{f', {tokens} tokens' if tokens else ''} (same global batch), kept for the rest of the run")
         b.micro, b.max_tokens, b.steps_at_split = micro, tokens, 0
-        self.open_loader(step)
+        self.steps, self.feed = self.open_loader(step, tuned=self.feed.state())
 
-    def sync(self, done: int) -> tuple[bool, bool, bool]:
+    def sync(self, done: int) -> SyncOutcome:
         """The one small all-reduce of a sync step: loss window, stop vote, preemption flag, resize request."""
-        self.window[1], self.window[2] = self.samples, self.tokens
-        self.samples = self.tokens = 0
-        if self.pulse and self.pulse.stop_requested:
-            self.window[3] = 1.0
-        if ray_preemption_noticed():
-            self.window[4] = 1.0
+        step_s = 0.0
         if self.rank == 0:
             now = time.perf_counter()
-            self.window[5] = (now - self.last_sync[1]) / max(1, done - self.last_sync[0])
+            step_s = (now - self.last_sync[1]) / max(1, done - self.last_sync[0])
             self.last_sync = (done, now)
-        if self.resize.asked.is_set():
-            self.window[6] = 1.0
-        if self.world > 1:
-            dist.all_reduce(self.window)
-        self.totals += self.window[:3]
-        stop_votes, preempt_votes, step_s, resize_votes = self.window[3:].tolist()
-        self.window.zero_()
-        self.next_check = next_check_step(done, self.spec.checkpoint.preemption_check_steps, step_s)
-        return stop_votes > 0, preempt_votes > 0, resize_votes > 0
+        outcome = self.window.reduce(self.world, self.samples, self.tokens, stop=bool(self.pulse and self.pulse.stop_requested),
+                                     preempted=ray_preemption_noticed(), step_s=step_s,
+                                     resizing=self.resize.asked.is_set())
+        self.samples = self.tokens = 0
+        self.totals = [a + b for a, b in zip(self.totals, (outcome.loss_sum, outcome.samples, outcome.tokens))]
+        self.next_check = next_check_step(done, self.spec.checkpoint.preemption_check_steps, outcome.step_s)
+        return outcome
 
     def log(self, done: int) -> dict:
         """Metrics since the last log (one host sync), published by the observer; rank 0 prints progress."""
         t, b, clock = self.spec.training, self.batching, self.clock
-        loss_total, samples, tokens = self.totals.tolist()
-        self.totals.zero_()
+        loss_total, samples, tokens = self.totals
+        self.totals = [0.0, 0.0, 0.0]
         now = time.perf_counter()
         elapsed, steady_s = now - clock.window_start, now - (clock.steady_start or now)
         cursor = self.plan.cursor(done)
