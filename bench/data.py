@@ -49,7 +49,7 @@ def main() -> None:
     import torch
 
     from cluster.storage import open_root
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.data import BatchPlan, Feed, FeatureSource, ParquetFiles, StepMicroBatches, padding_fraction
     from trainers.data.parquet import write_parquet
     from trainers.workloads import resolve

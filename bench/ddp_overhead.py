@@ -48,7 +48,7 @@ from trainers.history import read_history  # noqa: E402
 
 def prepare_data(root: str) -> str:
     from trainers.workloads.datasets import DIGITS_FILE, digits_table, prepare_builtin
-    from trainers.config import validate
+    from trainers.config.loading import validate
 
     return prepare_builtin(validate({"name": "x"}), open_root(root), DIGITS_FILE, digits_table)
 

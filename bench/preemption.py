@@ -50,7 +50,7 @@ def main() -> None:
     from ray.cluster_utils import Cluster
 
     from cluster.spot import IMDS, drain_node, watch
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.home import job_home
     from cluster.ray_adapter import kv_get
     from trainers.launch import run_job

@@ -10,7 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainers.config import SpecError, add_digest_arg, load_spec
+from trainers.config.errors import SpecError
+from trainers.config.loading import add_digest_arg, load_spec
 from trainers.worker_log import LOG_LEVEL_ENV
 
 PROMETHEUS_DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's name for it

@@ -34,8 +34,10 @@ import yaml
 from pydantic import Field, ValidationError
 
 from cluster.storage import StorageRoot
-from trainers.config import (JobSpec, SpecError, Strict, WorkerRange, add_digest_arg, apply_overrides, default_name,
-                             format_errors, key_problem, read_spec_file, validate)
+from trainers.config.errors import SpecError, format_errors
+from trainers.config.fields import Strict
+from trainers.config.job import JobSpec, WorkerRange, key_problem
+from trainers.config.loading import add_digest_arg, apply_overrides, default_name, read_spec_file, validate
 
 DOMAINS = {
     "choice": "pick one of the listed values",
@@ -231,7 +233,7 @@ def space_problems(sweep: SweepConfig, base: dict) -> list[str]:
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None, sha256: str | None = None) -> SweepPlan:
     """Read a sweep file (and its base), apply ``--set`` overrides to the job part, check it all.
-    With ``sha256``, the file's bytes must have that digest (trainers.config.read_spec_file)."""
+    With ``sha256``, the file's bytes must have that digest (trainers.config.loading.read_spec_file)."""
     return plan_from_data(read_spec_file(path, sha256), str(path), overrides)
 
 

@@ -38,7 +38,8 @@ from cluster.ray_adapter import BATCH_EVERY_THREAD, batch_schedule_worker, on_re
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.checkpointer import Checkpointer, Kind
-from trainers.config import JobSpec, batching_summary
+from trainers.config.batching import batching_summary
+from trainers.config.job import JobSpec
 from trainers.console import progress_text
 from trainers.data import BatchPlan, Feed, StepMicroBatches, accounting
 from trainers.observe import Observer, group_kinds

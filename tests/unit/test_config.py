@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from trainers.config import SpecError, batching_summary, load_spec, parse_text, validate
+from trainers.config.batching import batching_summary
+from trainers.config.errors import SpecError
+from trainers.config.loading import load_spec, validate
+from trainers.config.parsing import parse_text
 
 REPO = Path(__file__).resolve().parents[2]
 GUIDE = REPO / "configs" / "deployment-guide.json"
@@ -191,7 +194,7 @@ BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b
 def test_hostile_spec_text_is_refused_fast_and_plainly(text, fmt, expected):
     import time
 
-    from trainers.config import parse_text
+    from trainers.config.parsing import parse_text
 
     started = time.perf_counter()
     with pytest.raises(SpecError) as info:
@@ -201,7 +204,7 @@ def test_hostile_spec_text_is_refused_fast_and_plainly(text, fmt, expected):
 
 
 def test_the_service_validates_without_importing_what_a_spec_names(tmp_path, monkeypatch):
-    from trainers.config import refs_not_imported
+    from trainers.config.fields import refs_not_imported
 
     marker = tmp_path / "imported"
     (tmp_path / "sideeffect_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef make(): pass\n")
@@ -225,7 +228,7 @@ def test_the_service_validates_without_importing_what_a_spec_names(tmp_path, mon
     ("name: !!binary AAAA/w==\n", "body: name: binary data (!!binary)"),
 ])
 def test_yaml_values_json_cannot_hold_are_refused_naming_the_field(text, expected):
-    from trainers.config import parse_text
+    from trainers.config.parsing import parse_text
 
     with pytest.raises(SpecError) as info:
         parse_text(text, "body")
@@ -235,7 +238,7 @@ def test_yaml_values_json_cannot_hold_are_refused_naming_the_field(text, expecte
 def test_yaml_dates_and_times_stay_the_text_written():
     import json
 
-    from trainers.config import parse_text
+    from trainers.config.parsing import parse_text
 
     data = parse_text("model: {options: {at: 2001-12-14t21:59:43.10-05:00, day: 2002-12-14, "
                       "2003-01-01: k}}\n", "body")

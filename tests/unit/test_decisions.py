@@ -7,7 +7,8 @@ import math
 import pytest
 
 from cluster.storage import check_uri, open_root
-from trainers.config import SpecError, validate
+from trainers.config.errors import SpecError
+from trainers.config.loading import validate
 from trainers.home import job_home
 from trainers.launch import reached_max_steps, resolve_runtime
 from trainers.trainer import lr_factor, step_seed

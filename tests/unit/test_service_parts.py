@@ -11,7 +11,7 @@ from service.auth import (Principal, TokenConfigError, Tokens, bootstrap_admin, 
                           load_tokens, parse_entries, policy_problems)
 from service.jobs import Forbidden, JobManager, QuotaExceeded, ServiceSettings, reconcile_decision, sweep_trials
 from service.store import Record, Store
-from trainers.config import SpecError
+from trainers.config.errors import SpecError
 
 DECISIONS = [
     # state, Ray's status of the latest attempt, the run's own summary status -> next state, action

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainers.config import SpecError
+from trainers.config.errors import SpecError
 from trainers.sweep import best_row, load_sweep, render_table, trial_job_data, trial_spec_data, tune_space
 
 REPO = Path(__file__).resolve().parents[2]
@@ -259,7 +259,7 @@ def test_a_trial_records_its_placement_group_where_the_sweep_driver_finds_it(tmp
     from cluster import ray_adapter
     from cluster.storage import open_root
     from trainers import launch, sweep
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.home import job_home
 
     base = {"name": "s", "checkpoint": {"storage_root": str(tmp_path)}}

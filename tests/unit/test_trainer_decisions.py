@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from trainers.checkpointer import Kind, checkpoint_kind, interval_checkpoint_ok, to_cpu
-from trainers.config import SpecError, batching_summary, validate
+from trainers.config.batching import batching_summary
+from trainers.config.errors import SpecError
+from trainers.config.loading import validate
 from trainers.trainer import (FIRST_CHECK_STEPS, MAX_CHECK_STEPS, halved_split, next_check_step, oom_message,
                               oom_vote_due, sync_due)
 
@@ -613,7 +615,7 @@ def test_a_worker_that_exits_with_a_checkpoint_in_flight_does_not_wait_for_it():
     script = textwrap.dedent("""
         import threading, torch
         from trainers.checkpointer import Checkpointer
-        from trainers.config import validate
+        from trainers.config.loading import validate
         c = Checkpointer(validate({"name": "exit", "checkpoint": {"interval": 5}}), None, "run", 0, 1,
                          torch.device("cpu"), lambda step, jit: None)
         c._pending = c._thread.submit(threading.Event().wait)  # never returns
