@@ -766,3 +766,10 @@ def run_storage_filesystem():
     import ray.train
 
     return ray.train.get_context().get_storage().storage_filesystem
+
+
+def trial_actor(trial):
+    """The Ray actor running a Tune trial, or None once Tune has let it go. Tune has no public
+    getter (``Trial.temporary_state.ray_actor``); a sweep waits for the actor to end before it
+    removes the trial's placement group (trainers.sweep.trials.trial_cleanup_callback)."""
+    return trial.temporary_state.ray_actor
