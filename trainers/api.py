@@ -21,7 +21,7 @@ from trainers.console import strip_ansi
 from trainers.history import read_history, read_history_tail
 from trainers.home import JobHome, job_home
 from trainers.recovery import INTERRUPTIONS_FILE, StopFlag
-from trainers.sweep import SweepPlan, candidate_values, plan_from_data, trial_spec_view
+from trainers.sweep.spec import SweepPlan, candidate_values, plan_from_data, trial_spec_view
 
 __all__ = ["NAME_PATTERN", "REF_PATTERN", "INTERRUPTIONS_FILE", "SpecError", "SweepPlan", "apply_overrides",
            "check_job", "check_sweep", "checkpoints_in", "home_of", "parse_text", "profiles", "read_history",

@@ -239,7 +239,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     demo.add_argument("-v", "--verbose", action="store_true", help="also show Ray's own log lines")
     demo.set_defaults(fn=cmd_demo)
-    from trainers.sweep import EXAMPLES as SWEEP_EXAMPLES, add_sweep_args, cmd_sweep
+    from trainers.sweep.cli import EXAMPLES as SWEEP_EXAMPLES, add_sweep_args, cmd_sweep
 
     sweep = sub.add_parser("sweep", help="search hyperparameters with Ray Tune; every trial is a full job",
                            epilog=SWEEP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -14,7 +14,8 @@ import yaml
 
 from trainers.config.loading import load_spec
 from trainers.launch import EXIT_OK
-from trainers.sweep import load_sweep, run_sweep
+from trainers.sweep.spec import load_sweep
+from trainers.sweep.tune_run import run_sweep
 from waiting import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.no_dashboard]

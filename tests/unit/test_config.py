@@ -30,7 +30,7 @@ def test_guide_template_loads_unchanged():
 
 
 def test_all_example_configs_load():
-    from trainers.sweep import load_sweep
+    from trainers.sweep.spec import load_sweep
 
     for path in sorted((REPO / "configs").glob("*")):
         load_sweep(path) if "sweep:" in path.read_text() else load_spec(path)
@@ -292,7 +292,7 @@ def test_a_spec_changed_after_it_was_checked_is_not_run(tmp_path):
     import subprocess
     import sys
 
-    from trainers.sweep import load_sweep
+    from trainers.sweep.spec import load_sweep
 
     spec = tmp_path / "j-1.json"
     spec.write_text('{"name": "j-1", "training": {"max_steps": 3}}')

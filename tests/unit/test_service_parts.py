@@ -298,7 +298,7 @@ def test_a_jobs_environment_has_no_service_secrets_and_the_tenants_own(tmp_path,
     ({"space": {"training.seed": {"choice": [1, 2, 3]}, "data.num_workers": {"grid": [0, 1]}}}, 16),
 ])
 def test_sweep_trials_count_every_grid(sweep, trials):
-    from trainers.sweep import SweepConfig
+    from trainers.sweep.spec import SweepConfig
 
     assert sweep_trials(SweepConfig.model_validate(sweep)) == trials
 
