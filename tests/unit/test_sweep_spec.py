@@ -94,7 +94,6 @@ def test_overrides_apply_to_the_base_job(tmp_path):
     assert plan.spec.training.max_steps == 3
 
 
-
 def test_trial_values_never_touch_the_base():
     base = {"training": {"batch_size": 64}}
     data = trial_spec_data(base, {"training.batch_size": 32, "data.num_workers": 2})

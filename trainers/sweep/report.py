@@ -59,7 +59,6 @@ def best_row(rows: list[dict], metric: str, mode: str) -> dict | None:
     return pick(scored, key=lambda r: r[metric])
 
 
-
 def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> None:
     """Give every trial stopped by the scheduler a summary that says so.
 

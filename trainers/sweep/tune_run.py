@@ -47,7 +47,6 @@ def tune_space(sweep: SweepConfig) -> dict[str, Any]:
     return space
 
 
-
 def make_scheduler(sweep: SweepConfig):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
 
@@ -70,7 +69,6 @@ def make_searcher(sweep: SweepConfig):
 
         return ConcurrencyLimiter(OptunaSearch(seed=sweep.seed), max_concurrent=sweep.max_concurrent_trials)
     return BasicVariantGenerator(random_state=sweep.seed, max_concurrent=sweep.max_concurrent_trials)
-
 
 
 def tune_filesystem(root: StorageRoot, tune_path: str):
