@@ -49,8 +49,8 @@ def main() -> None:
     import torch
 
     from cluster.storage import open_root
-    from trainers.config import validate
-    from trainers.data import BatchPlan, Feed, FeatureSource, ParquetFiles, StepMicroBatches, padding_fraction
+    from trainers.config.loading import validate
+    from trainers.data import BatchPlan, FeatureSource, Feed, ParquetFiles, StepMicroBatches, padding_fraction
     from trainers.data.parquet import write_parquet
     from trainers.workloads import resolve
 

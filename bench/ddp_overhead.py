@@ -47,8 +47,8 @@ from trainers.history import read_history  # noqa: E402
 
 
 def prepare_data(root: str) -> str:
+    from trainers.config.loading import validate
     from trainers.workloads.datasets import DIGITS_FILE, digits_table, prepare_builtin
-    from trainers.config import validate
 
     return prepare_builtin(validate({"name": "x"}), open_root(root), DIGITS_FILE, digits_table)
 

@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.workloads.lm import flops_per_token
 
     gpu = torch.cuda.is_available()

@@ -45,14 +45,14 @@ def main() -> None:
     args = parser.parse_args()
 
     import ray
-    from cluster.rehearsal.imds import FakeIMDS
-    from waiting import wait_for
     from ray.cluster_utils import Cluster
+    from waiting import wait_for
 
-    from cluster.spot import IMDS, drain_node, watch
-    from trainers.config import validate
-    from trainers.home import job_home
     from cluster.ray_adapter import kv_get
+    from cluster.rehearsal.imds import FakeIMDS
+    from cluster.spot import IMDS, drain_node, watch
+    from trainers.config.loading import validate
+    from trainers.home import job_home
     from trainers.launch import run_job
 
     cluster = Cluster(initialize_head=True, head_node_args={

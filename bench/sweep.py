@@ -28,7 +28,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep every ad
 
 
 def run(scheduler: str, trials: int, steps: int, root: str, concurrency: int) -> dict:
-    from trainers.sweep import load_sweep, run_sweep
+    from trainers.sweep.cli import sweep_log_shown
+    from trainers.sweep.spec import load_sweep
+    from trainers.sweep.tune_run import run_sweep
 
     plan = load_sweep(REPO / "configs" / "sweep.yaml", [f"training.max_steps={steps}",
                                                         f"checkpoint.interval={max(1, steps // 6)}",
@@ -36,7 +38,8 @@ def run(scheduler: str, trials: int, steps: int, root: str, concurrency: int) ->
     sweep = plan.sweep.model_copy(update={"scheduler": scheduler, "num_samples": trials,
                                           "max_concurrent_trials": concurrency})
     plan = dataclasses.replace(plan, name=f"bench-{scheduler}", sweep=sweep)
-    code, report = run_sweep(plan, say=lambda m: print(m, file=sys.stderr))
+    with sweep_log_shown(sys.stderr):  # stdout holds the figures only
+        code, report = run_sweep(plan)
     if code != 0:
         raise SystemExit(f"{scheduler} sweep failed: {[t['error'] for t in report['trials'] if t['error']]}")
     return report

@@ -136,9 +136,8 @@ def _coordinator_refresh_supported() -> None:
 def refresh_cluster_view(timeout_s: float = 10.0) -> None:
     """Have Ray Train's planner see the nodes as they are now (one coordinator tick)."""
     import ray
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-        get_or_create_autoscaling_coordinator,
-    )
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import \
+        get_or_create_autoscaling_coordinator
 
     _coordinator_refresh_supported()
     coordinator = get_or_create_autoscaling_coordinator()
@@ -606,7 +605,8 @@ def _lean_torch_config_class() -> type:
     """Built on first use, as Ray Train is imported only when a trainer is (pickled by value)."""
     import ray
     from ray.train.backend import Backend, BackendConfig
-    from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+    from ray.train.constants import (DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+                                     TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
 
     class LeanTorchBackend(Backend):
         """Ray's ``_TorchBackend`` for CPUs and GPUs, its steps run through the functions above."""
@@ -766,3 +766,10 @@ def run_storage_filesystem():
     import ray.train
 
     return ray.train.get_context().get_storage().storage_filesystem
+
+
+def trial_actor(trial):
+    """The Ray actor running a Tune trial, or None once Tune has let it go. Tune has no public
+    getter (``Trial.temporary_state.ray_actor``); a sweep waits for the actor to end before it
+    removes the trial's placement group (trainers.sweep.trials.trial_cleanup_callback)."""
+    return trial.temporary_state.ray_actor

@@ -12,13 +12,16 @@ from typing import Any
 
 from cluster.storage import StorageRoot
 from trainers import checkpoint_files as _checkpoint
-from trainers.config import (NAME_PATTERN, REF_PATTERN, JobSpec, SpecError, apply_overrides, parse_text, read_spec_file,
-                             refs_not_imported, validate)
+from trainers.config.errors import SpecError
+from trainers.config.fields import REF_PATTERN, refs_not_imported
+from trainers.config.job import NAME_PATTERN, JobSpec
+from trainers.config.loading import apply_overrides, read_spec_file, validate
+from trainers.config.parsing import parse_text
 from trainers.console import strip_ansi
 from trainers.history import read_history, read_history_tail
 from trainers.home import JobHome, job_home
 from trainers.recovery import INTERRUPTIONS_FILE, StopFlag
-from trainers.sweep import SweepPlan, candidate_values, plan_from_data, trial_spec_view
+from trainers.sweep.spec import SweepPlan, candidate_values, plan_from_data, trial_spec_view
 
 __all__ = ["NAME_PATTERN", "REF_PATTERN", "INTERRUPTIONS_FILE", "SpecError", "SweepPlan", "apply_overrides",
            "check_job", "check_sweep", "checkpoints_in", "home_of", "parse_text", "profiles", "read_history",

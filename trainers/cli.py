@@ -10,7 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainers.config import SpecError, add_digest_arg, load_spec
+from trainers.config.errors import SpecError
+from trainers.config.loading import add_digest_arg, load_spec
 from trainers.worker_log import LOG_LEVEL_ENV
 
 PROMETHEUS_DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # Ray's name for it
@@ -238,7 +239,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     demo.add_argument("-v", "--verbose", action="store_true", help="also show Ray's own log lines")
     demo.set_defaults(fn=cmd_demo)
-    from trainers.sweep import EXAMPLES as SWEEP_EXAMPLES, add_sweep_args, cmd_sweep
+    from trainers.sweep.cli import EXAMPLES as SWEEP_EXAMPLES
+    from trainers.sweep.cli import add_sweep_args, cmd_sweep
 
     sweep = sub.add_parser("sweep", help="search hyperparameters with Ray Tune; every trial is a full job",
                            epilog=SWEEP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)

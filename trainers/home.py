@@ -19,7 +19,7 @@ import posixpath
 from dataclasses import dataclass
 
 from cluster.storage import StorageRoot, open_root
-from trainers.config import JobSpec
+from trainers.config.job import JobSpec
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from cluster import ray_adapter
 from cluster.capacity import gpu_capacity
 from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint_files as ckpt
-from trainers.config import JobSpec, SpecError
+from trainers.config.errors import SpecError
+from trainers.config.job import JobSpec
 from trainers.home import JobHome, job_home
 from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV

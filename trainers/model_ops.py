@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from trainers.config import JobSpec
+from trainers.config.job import JobSpec
 from trainers.rules import lr_factor
 
 

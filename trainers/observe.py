@@ -23,7 +23,7 @@ import torch
 
 from cluster.metrics import JobMetrics, NodeKind, cost_usd, goodput
 from cluster.storage import StorageRoot
-from trainers.config import JobSpec
+from trainers.config.job import JobSpec
 from trainers.history import MetricsHistory
 
 TENSORBOARD_DIR = "tensorboard"

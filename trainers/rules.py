@@ -12,7 +12,7 @@ from enum import Enum
 
 import torch
 
-from trainers.config import JobSpec
+from trainers.config.job import JobSpec
 from trainers.data import BatchPlan
 
 

@@ -33,7 +33,8 @@ from cluster.ray_adapter import BATCH_EVERY_THREAD, batch_schedule_worker, on_re
 from cluster.storage import open_root
 from trainers import checkpoint_files as ckpt
 from trainers.checkpoint_writer import Checkpointer
-from trainers.config import JobSpec, batching_summary
+from trainers.config.batching import batching_summary
+from trainers.config.job import JobSpec
 from trainers.console import progress_text
 from trainers.data import Feed, StepMicroBatches, accounting
 from trainers.model_ops import autocast_for, build_optimizer, lr_scheduler, params_in_sync, seed_generators, unwrap

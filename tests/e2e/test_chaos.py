@@ -18,7 +18,7 @@ from slowpkg import blobs_parquet
 from waiting import wait_for
 
 from trainers import checkpoint_files as ckpt
-from trainers.config import validate
+from trainers.config.loading import validate
 from trainers.launch import EXIT_OK, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.e2e]

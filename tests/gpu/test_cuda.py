@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trainers.config import validate
+from trainers.config.loading import validate
 from trainers.launch import EXIT_OK, resolve_runtime, run_job
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.py runs these)"),

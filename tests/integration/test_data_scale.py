@@ -17,7 +17,7 @@ import pytest
 
 from cluster.storage import open_root
 from trainers import checkpoint_files as ckpt
-from trainers.config import validate
+from trainers.config.loading import validate
 from trainers.history import read_history
 from trainers.launch import EXIT_OK, run_job
 

@@ -12,7 +12,7 @@ from slowpkg import blobs_parquet
 from waiting import wait_for
 
 from trainers import checkpoint_files as ckpt
-from trainers.config import validate
+from trainers.config.loading import validate
 from trainers.home import job_home
 from trainers.launch import EXIT_STOPPED, run_job
 from trainers.recovery import StopFlag

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cluster.storage import open_root
-from trainers.config import validate
+from trainers.config.loading import validate
 from trainers.history import read_history
 from trainers.launch import EXIT_OK, run_job
 

@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import requests
+from waiting import wait_for
 
 from bearer import bearer_request
 from conftest import free_port
-from waiting import wait_for
 
 pytestmark = pytest.mark.ray
 TOKENS = {"alice": ("team-a", "user"), "bob": ("team-b", "user"), "root": ("ops", "admin")}
@@ -199,7 +199,7 @@ def test_a_stored_spec_changed_after_its_check_does_not_run(service):
     """A job fails (its data is not there); its stored spec is then changed, as a tenant's keys could,
     to run a command; the resumed attempt runs the service's own copy, written anew (and, were the file
     changed again between that write and the job's read, the digest in the entrypoint refuses it:
-    tests/unit/test_config.py), and nothing runs."""
+    tests/unit/test_config_loading.py), and nothing runs."""
     marker = service.work / "tampered-spec-marker"
     r = api(service, "POST", "/v1/jobs", "bob", json=quick_job("gone", data={"source": "data/none.parquet"}))
     assert r.status_code == 201, r.text

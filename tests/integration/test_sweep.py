@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from trainers.config import load_spec
-from trainers.launch import EXIT_OK
-from trainers.sweep import load_sweep, run_sweep
 from waiting import wait_for
+
+from trainers.config.loading import load_spec
+from trainers.launch import EXIT_OK
+from trainers.sweep.spec import load_sweep
+from trainers.sweep.tune_run import run_sweep
 
 pytestmark = [pytest.mark.ray, pytest.mark.no_dashboard]
 REPO = Path(__file__).resolve().parents[2]
@@ -112,7 +113,7 @@ def test_sweep_resumes_after_its_driver_dies_without_rerunning_finished_trials(r
 
 
 def test_resume_of_an_unknown_sweep_says_so(ray_local, tmp_path):
-    from trainers.config import SpecError
+    from trainers.config.errors import SpecError
 
     plan = load_sweep(REPO / "configs" / "sweep.yaml", [f"checkpoint.storage_root={tmp_path}"])
     with pytest.raises(SpecError, match="--resume: no sweep 'quickstart-sweep'"):

@@ -19,7 +19,7 @@ import torch
 from cluster.leftovers import writing_into
 from cluster.storage import open_root
 from trainers import checkpoint_files as ckpt
-from trainers.config import validate
+from trainers.config.loading import validate
 from trainers.launch import EXIT_FAILED, EXIT_OK, EXIT_STOPPED, run_job
 
 pytestmark = pytest.mark.ray

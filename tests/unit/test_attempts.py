@@ -8,7 +8,7 @@ import pytest
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 from trainers import launch
-from trainers.config import validate
+from trainers.config.loading import validate
 from trainers.home import job_home
 
 

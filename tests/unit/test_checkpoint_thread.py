@@ -82,7 +82,7 @@ def test_a_worker_that_exits_with_a_checkpoint_in_flight_does_not_wait_for_it():
     script = textwrap.dedent("""
         import threading, torch
         from trainers.checkpoint_writer import Checkpointer
-        from trainers.config import validate
+        from trainers.config.loading import validate
         c = Checkpointer(validate({"name": "exit", "checkpoint": {"interval": 5}}), None, "run", 0, 1,
                          torch.device("cpu"), lambda step, jit: None)
         c._pending = c._thread.submit(threading.Event().wait)  # never returns

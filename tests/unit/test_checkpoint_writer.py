@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainers.checkpoint_writer import to_cpu
-from trainers.config import validate
+from trainers.config.loading import validate
 
 
 def test_a_snapshot_does_not_follow_the_live_state():

@@ -1,6 +1,16 @@
-"""What `etrain run` prints at the end: the summary a person reads."""
+"""`etrain run` (trainers.cli): a bad spec is refused before Ray, its help teaches, and the summary a
+person reads at the end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from trainers.cli import print_summary
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_summary_lists_interruptions_and_where_things_are(capsys):
@@ -32,3 +42,31 @@ def test_failed_summary_shows_the_error(capsys):
                    "error": "ValueError: bug"})
     out = capsys.readouterr().out
     assert "checkpoint: /r/j/checkpoints/checkpoint_000000020 (a re-run resumes from it)" in out, out
+
+
+@pytest.mark.parametrize("data", [
+    {"training": {"optimizer": "Lion"}},
+    {"checkpoint": {"path": "../escape_{step}.pt"}},
+    {"data": {"factory": "missing_mod:make"}},
+])
+def test_cli_rejects_without_traceback_ray_or_storage(tmp_path, data):
+    root = tmp_path / "root"
+    data = {**data, "checkpoint": {**data.get("checkpoint", {}), "storage_root": str(root)}}
+    spec = tmp_path / "bad.json"
+    spec.write_text(json.dumps(data))
+    probe = ("import sys; from trainers.cli import main; code = main(['run', sys.argv[1]]); "
+             "print('ray imported:', 'ray' in sys.modules); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "invalid job spec" in proc.stderr
+    assert "ray imported: False" in proc.stdout, "a bad spec must be refused before Ray is even imported"
+    assert not root.exists(), "nothing may be written for a bad spec"
+
+
+def test_help_teaches():
+    proc = subprocess.run([sys.executable, "-m", "trainers.cli", "run", "--help"], capture_output=True, text=True,
+                          cwd=REPO, timeout=60)
+    assert proc.returncode == 0
+    assert "--stop-at-step" in proc.stdout and "resumes" in proc.stdout

@@ -31,7 +31,7 @@ class Samples:
 def test_a_resume_with_another_num_workers_range_keeps_the_data_order(first, then):
     """1793 samples in batches of 64 leave a 1-sample tail: the plan (steps per epoch, every
     batch) must not move when the job resumes with another worker range."""
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.rules import plan_for, target_step
 
     def spec(workers):

@@ -12,8 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 DRIVER = """
 import sys
-import service.cli, trainers.cli, trainers.sweep  # what the commands import
-from trainers.config import validate
+import service.cli, trainers.cli, trainers.sweep.cli  # what the commands import
+from trainers.config.loading import validate
 from trainers.home import job_home
 from trainers.launch import build_trainer, resolve_runtime
 from trainers.workloads.datasets import prepare_data

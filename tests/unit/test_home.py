@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainers.config import validate
+from trainers.config.loading import validate
 from trainers.home import job_home
 
 

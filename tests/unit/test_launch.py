@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainers.config import SpecError, validate
+from trainers.config.errors import SpecError
+from trainers.config.loading import validate
 from trainers.launch import reached_max_steps, resolve_runtime
 
 

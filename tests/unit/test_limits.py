@@ -6,7 +6,7 @@ import pytest
 
 from service.limits import (DEFAULT_ROLE_LIMITS, Footprint, RoleLimits, job_footprint, limit_problems, quota_problem,
                             sweep_footprint)
-from trainers.config import validate
+from trainers.config.loading import validate
 
 USER = DEFAULT_ROLE_LIMITS["user"]
 

@@ -160,7 +160,7 @@ def test_tensorboard_uploads_only_the_events_since_the_last_flush(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from cluster.storage import open_root
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.observe import TensorBoard
 
     spec = validate({"name": "tb", "training": {"max_steps": 30}})
@@ -191,7 +191,7 @@ def test_tensorboard_keeps_every_scalar_while_a_flush_runs_beside_it(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from cluster.storage import open_root
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.observe import TensorBoard
 
     spec = validate({"name": "tb", "training": {"max_steps": 30}})
@@ -222,7 +222,7 @@ def test_tensorboard_across_attempts_stores_names_in_upload_order_and_leaves_not
     attempt's. A flush with nothing new uploads nothing; one that comes after close() (a failing
     attempt's checkpoint thread) leaves no writer or file behind on rank 0's disk."""
     from cluster.storage import open_root
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.observe import TensorBoard
 
     spec = validate({"name": "tb-attempts", "training": {"max_steps": 30}})
@@ -254,7 +254,7 @@ def test_an_attempt_that_resumes_hides_the_steps_the_one_before_logged_past_its_
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from cluster.storage import open_root
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.observe import TensorBoard
 
     spec = validate({"name": "tb-resume", "training": {"max_steps": 40}})
@@ -286,7 +286,7 @@ def test_history_rows_no_flush_wrote_ride_in_the_checkpoint_and_the_next_attempt
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from cluster.storage import open_root
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.history import read_history
     from trainers.observe import Observer
 

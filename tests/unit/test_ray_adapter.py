@@ -623,3 +623,17 @@ def test_serve_reads_exactly_these_client_override_headers():
         "SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER": "x-request-timeout-seconds",
         "SERVE_HTTP_REQUEST_DISCONNECT_DISABLED_HEADER": "x-request-disconnect-disabled"}, headers
     assert serve_client_override_headers() == ("x-request-timeout-seconds", "x-request-disconnect-disabled")
+
+
+def test_a_tune_trial_keeps_its_actor_where_the_adapter_reads_it():
+    """A sweep waits for an ended trial's actor before it removes the trial's placement group
+    (trainers.sweep.trials): a Ray that moves ``Trial.temporary_state.ray_actor`` fails here."""
+    from ray.tune.experiment import Trial
+
+    from cluster.ray_adapter import trial_actor
+
+    trial = Trial("__fake", config={}, stub=True)
+    assert trial_actor(trial) is None  # no actor yet
+    assert "self.temporary_state.ray_actor = ray_actor" in inspect.getsource(Trial.set_ray_actor)
+    trial.temporary_state.ray_actor = actor = object()
+    assert trial_actor(trial) is actor

@@ -312,7 +312,7 @@ def test_reconcile_decision_with_live_submissions_and_overdue_stops(state, ray_s
 
 
 def test_an_absolute_checkpoint_path_over_http_stays_in_the_tenants_folder(tmp_path):
-    from trainers.config import validate
+    from trainers.config.loading import validate
     from trainers.home import job_home
 
     mgr = manager(tmp_path, FakeClient())

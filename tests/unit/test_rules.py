@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-from trainers.config import SpecError, batching_summary, validate
+from trainers.config.batching import batching_summary
+from trainers.config.errors import SpecError
+from trainers.config.loading import validate
 from trainers.rules import (FIRST_CHECK_STEPS, MAX_CHECK_STEPS, Kind, checkpoint_kind, halved_split,
                             interval_checkpoint_ok, lr_factor, next_check_step, oom_message, oom_vote_due, report_due,
                             step_seed, sync_due)

@@ -11,7 +11,7 @@ from service.auth import (Principal, TokenConfigError, Tokens, bootstrap_admin, 
                           load_tokens, parse_entries, policy_problems)
 from service.jobs import Forbidden, JobManager, QuotaExceeded, ServiceSettings, reconcile_decision, sweep_trials
 from service.store import Record, Store
-from trainers.config import SpecError
+from trainers.config.errors import SpecError
 
 DECISIONS = [
     # state, Ray's status of the latest attempt, the run's own summary status -> next state, action
@@ -298,7 +298,7 @@ def test_a_jobs_environment_has_no_service_secrets_and_the_tenants_own(tmp_path,
     ({"space": {"training.seed": {"choice": [1, 2, 3]}, "data.num_workers": {"grid": [0, 1]}}}, 16),
 ])
 def test_sweep_trials_count_every_grid(sweep, trials):
-    from trainers.sweep import SweepConfig
+    from trainers.sweep.spec import SweepConfig
 
     assert sweep_trials(SweepConfig.model_validate(sweep)) == trials
 

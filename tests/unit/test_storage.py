@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.storage import check_uri, open_root
-from trainers.config import validate
+from trainers.config.loading import validate
 from trainers.home import job_home
 
 

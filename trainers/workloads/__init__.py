@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # the driver resolves a workload to prepare its data, without
     from torch import nn
 
     from cluster.storage import StorageRoot
-    from trainers.config import JobSpec
+    from trainers.config.job import JobSpec
     from trainers.data.sources import FeatureSource, PairsSource, TokenSource
 
     Source = FeatureSource | TokenSource | PairsSource

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from cluster.storage import StorageRoot
-from trainers.config import JobSpec
+from trainers.config.job import JobSpec
 from trainers.data.parquet import write_parquet
 
 DIGITS_FILE = "datasets/digits-v1.parquet"

@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from cluster.storage import StorageRoot
-from trainers.config import JobSpec
+from trainers.config.job import JobSpec
 from trainers.data import FeatureSource, ParquetFiles
 from trainers.workloads.datasets import prepare_data
 

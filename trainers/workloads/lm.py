@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from cluster.storage import StorageRoot
-from trainers.config import JobSpec
+from trainers.config.job import JobSpec
 from trainers.data import ParquetFiles, TokenSource
 from trainers.workloads.datasets import prepare_data
 
