@@ -41,6 +41,7 @@ from service.isolation import check_code_tenants
 from service.jobs import (Conflict, Forbidden, JobManager, QuotaExceeded, RayUnavailable, ServiceSettings,
                           jobs_headers)
 from service.schemas import CheckpointOut, Health, MetricsOut, Problem, RecordList, RecordOut
+from service.states import STATE_PATTERN, JobState
 from service.store import ID_PATTERN, Record
 from trainers.api import SpecError, parse_text, read_history_tail
 
@@ -164,7 +165,7 @@ def add_routes(kind: str) -> None:
         return JSONResponse(manager().public(record), status_code=201 if created else 200)
 
     @app.get(base, response_model=RecordList, responses=ERRORS, tags=[plural], operation_id=f"list_{plural}")
-    def list_records(state: str | None = Query(None, pattern="^(PENDING|RUNNING|STOPPING|STOPPED|SUCCEEDED|FAILED)$"),
+    def list_records(state: str | None = Query(None, pattern=STATE_PATTERN),
                      offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500),
                      who: Principal = Depends(principal)):
         records = manager().list(kind, who.tenant, who.is_admin, state)
@@ -350,7 +351,7 @@ def ray_log(record: Record, tail_lines: int) -> str:
     return "".join(text.splitlines(keepends=True)[-tail_lines:]) if tail_lines > 0 else ""
 
 
-UI_STATE = Query(None, pattern="^(PENDING|RUNNING|STOPPING|STOPPED|SUCCEEDED|FAILED)$")
+UI_STATE = Query(None, pattern=STATE_PATTERN)
 UI_PAGE = Query(1, ge=1, le=1_000_000, alias="page")
 
 
@@ -461,8 +462,7 @@ def configure(settings: ServiceSettings, tokens: Tokens, client=None, http: Http
     _state["metrics"] = metrics = ServiceMetrics()
 
     def count(records: list[Record]) -> None:
-        counts = {(k, s): 0 for k in ("job", "sweep") for s in ("PENDING", "RUNNING", "STOPPING", "STOPPED",
-                                                                   "SUCCEEDED", "FAILED")}
+        counts = {(k, s.value): 0 for k in ("job", "sweep") for s in JobState}  # plain names: Ray's tags
         for r in records:
             counts[(r.kind, r.state)] += 1
         metrics.states(counts)

@@ -42,7 +42,8 @@ from service.auth import ROLES, Principal, in_tenant_data, is_under, policy_prob
 from service.limits import (DEFAULT_ROLE_LIMITS, Footprint, RoleLimits, job_footprint, limit_problems_of,
                             quota_problem, sweep_footprint)
 from service.ray_clients import dashboard_client
-from service.store import ACTIVE, TERMINAL, Record, Store, new_id
+from service.states import ACTIVE, RAY_ALIVE, RESUMABLE, TERMINAL, JobState, RayStatus
+from service.store import Record, Store, new_id
 from trainers import api as trainers
 from trainers.api import NAME_PATTERN, SpecError
 
@@ -194,9 +195,6 @@ class RayUnavailable(Exception):
         self.missing = missing
 
 
-# What the reconciler may learn of a submission besides Ray's own statuses.
-MISSING = "MISSING"  # Ray answered 404: it does not know the submission (its job table died with the head)
-UNREACHABLE = "UNREACHABLE"  # no answer we can act on: 5xx, timeout, refused connection
 Action = Literal["resubmit", "stop", "wait"] | None
 
 
@@ -239,8 +237,8 @@ def reconcile_decision(state: str, ray_status: str | None, outcome: str | None, 
                        stop_overdue: bool = False) -> tuple[str, Action]:
     """(next state, action) from Ray's view of the latest attempt and the run's own summary.
 
-    ``ray_status`` is Ray's status, MISSING (Ray answered 404), UNREACHABLE (no usable
-    answer), or None (never submitted); ``outcome`` is the status in the run's summary
+    ``ray_status`` is a RayStatus: Ray's status, MISSING (Ray answered 404), UNREACHABLE (no
+    usable answer), or None (never submitted); ``outcome`` is the status in the run's summary
     (succeeded/stopped/failed); ``others_alive``: another submission of the record still runs
     in Ray; ``stop_overdue``: a graceful stop's grace period is over and Ray still runs it.
     Actions: resubmit (the job is known gone), send (the submission Ray never took, same id),
@@ -248,23 +246,23 @@ def reconcile_decision(state: str, ray_status: str | None, outcome: str | None, 
     """
     if state in TERMINAL:
         return state, None
-    if ray_status == UNREACHABLE:
+    if ray_status == RayStatus.UNREACHABLE:
         return state, "wait"
-    if ray_status in (None, MISSING):
-        if state == "STOPPING":
-            return "STOPPED", None
-        if state == "PENDING" and ray_status == MISSING:  # Ray never took it: send the same id again
-            return "PENDING", "send"
-        return "RUNNING", (None if others_alive else "resubmit")
-    if ray_status in ("PENDING", "RUNNING"):
-        if state == "STOPPING":
-            return "STOPPING", ("stop" if stop_overdue else None)
-        return "RUNNING", None
-    if ray_status == "STOPPED" or outcome == "stopped":
-        return "STOPPED", None
-    if ray_status == "SUCCEEDED":
-        return "SUCCEEDED", None
-    return "FAILED", None
+    if ray_status in (None, RayStatus.MISSING):
+        if state == JobState.STOPPING:
+            return JobState.STOPPED, None
+        if state == JobState.PENDING and ray_status == RayStatus.MISSING:  # Ray never took it: send the same id again
+            return JobState.PENDING, "send"
+        return JobState.RUNNING, (None if others_alive else "resubmit")
+    if ray_status in RAY_ALIVE:
+        if state == JobState.STOPPING:
+            return JobState.STOPPING, ("stop" if stop_overdue else None)
+        return JobState.RUNNING, None
+    if ray_status == RayStatus.STOPPED or outcome == "stopped":
+        return JobState.STOPPED, None
+    if ray_status == RayStatus.SUCCEEDED:
+        return JobState.SUCCEEDED, None
+    return JobState.FAILED, None
 
 
 class JobManager:
@@ -407,7 +405,7 @@ class JobManager:
                             cpus=checked.footprint.cpus, gpus=checked.footprint.gpus,
                             state_key=new_key() if kind == "sweep" else None,
                             created_at=now, updated_at=now)
-            record.move("PENDING", "submitted")
+            record.move(JobState.PENDING, "submitted")
             self.store.save(record)
         # Outside the lock: Ray's HTTP call need not serialise submits. A racing retry of the same
         # key submits the same submission id, which Ray refuses: still one job.
@@ -480,18 +478,18 @@ class JobManager:
         except Exception as exc:  # boundary: Ray's HTTP API
             if "already exists" not in str(exc):  # Ray has it: a retry of a submission it took
                 if submission_retryable(exc):
-                    if record.move("PENDING", "waiting for Ray's Jobs API"):
+                    if record.move(JobState.PENDING, "waiting for Ray's Jobs API"):
                         self.store.save(record)
                     self._failed(record.id, "submit", f"Ray did not take submission {sid} yet "
                                  f"({type(exc).__name__}: {str(exc)[:200]}); the service sends it again")
                     return self.store.get(record.id)
                 record.error = f"Ray refused the submission: {exc}"
-                record.move("FAILED", "submission refused")
+                record.move(JobState.FAILED, "submission refused")
                 self.store.save(record)
                 return record
         self._failures.pop(record.id, None)
         record.error = None
-        record.move("RUNNING", reason)
+        record.move(JobState.RUNNING, reason)
         self.store.save(record)
         return record
 
@@ -564,11 +562,11 @@ class JobManager:
             record = self.store.get(record.id)
             if record.state in TERMINAL:
                 raise Conflict(f"{record.kind} {record.id} is already {record.state}: nothing to stop")
-            if record.state == "STOPPING":
+            if record.state == JobState.STOPPING:
                 return record
             if record.kind == "job":  # in storage, which the jobs reach wherever their Ray is
                 trainers.request_stop(record.spec)
-            record.move("STOPPING", "stop requested")
+            record.move(JobState.STOPPING, "stop requested")
             self.store.save(record)
         sid = record.submissions[-1] if record.submissions else None
         if sid:
@@ -579,7 +577,7 @@ class JobManager:
     def _escalate(self, record_id: str, sid: str, grace_s: float) -> None:
         deadline = time.time() + grace_s
         while time.time() < deadline:
-            if self._ray_status(sid) not in ("PENDING", "RUNNING"):
+            if self._ray_status(sid) not in RAY_ALIVE:
                 break
             time.sleep(0.5)
         else:
@@ -604,8 +602,9 @@ class JobManager:
         asks: an allow-list or a role changed since the submit applies to the resume too."""
         with self._lock:
             record = self.store.get(record.id)
-            if record.state not in ("STOPPED", "FAILED"):
-                raise Conflict(f"{record.kind} {record.id} is {record.state}: only a STOPPED or FAILED one resumes")
+            if record.state not in RESUMABLE:
+                raise Conflict(f"{record.kind} {record.id} is {record.state}: only a {JobState.STOPPED} or "
+                               f"{JobState.FAILED} one resumes")
             problems = policy_problems(who.role, record.spec, self.settings.allowed_factories,
                                        self.tenant_root(record.tenant).uri,
                                        self.settings.tenant_data_uris.get(record.tenant, []))
@@ -624,9 +623,9 @@ class JobManager:
             return str(self.client.get_job_status(sid).value)
         except Exception as exc:  # boundary: Ray's HTTP API; only a 404 means "no such submission"
             if ray_error_status(exc) == 404:
-                return MISSING
+                return RayStatus.MISSING
             self._last_ray_error = f"{type(exc).__name__}: {str(exc)[:300]}"
-            return UNREACHABLE
+            return RayStatus.UNREACHABLE
 
     def _others_alive(self, record: Record) -> bool | None:
         """Whether Ray still runs an earlier submission of the record; None when Ray did not say."""
@@ -635,7 +634,7 @@ class JobManager:
         except Exception as exc:  # boundary: Ray's HTTP API; the caller backs off
             self._last_ray_error = f"{type(exc).__name__}: {str(exc)[:300]}"
             return None
-        return any(j.submission_id in record.submissions and str(j.status.value) in ("PENDING", "RUNNING")
+        return any(j.submission_id in record.submissions and str(j.status.value) in RAY_ALIVE
                    for j in jobs)
 
     def _failed(self, record_id: str, kind: str, reason: str) -> None:
@@ -660,7 +659,7 @@ class JobManager:
 
     def stop_overdue(self, record: Record, now: float) -> bool:
         """Whether a graceful stop's grace period is over (from the record's STOPPING transition)."""
-        since = next((t.at for t in reversed(record.history) if t.state == "STOPPING"), record.updated_at)
+        since = next((t.at for t in reversed(record.history) if t.state == JobState.STOPPING), record.updated_at)
         grace = self.settings.stop_wait_s if record.kind == "job" else 0.0
         return now - since > grace
 
@@ -672,10 +671,10 @@ class JobManager:
             sid = record.submissions[-1] if record.submissions else None
             ray_status = self._ray_status(sid) if sid else None
             others_alive = False
-            if ray_status == MISSING and len(record.submissions) > 1:
+            if ray_status == RayStatus.MISSING and len(record.submissions) > 1:
                 alive = self._others_alive(record)
-                ray_status, others_alive = (UNREACHABLE, False) if alive is None else (ray_status, alive)
-            summary = self.summary_of(record) if ray_status not in ("PENDING", "RUNNING", UNREACHABLE) else None
+                ray_status, others_alive = (RayStatus.UNREACHABLE, False) if alive is None else (ray_status, alive)
+            summary = self.summary_of(record) if ray_status not in (*RAY_ALIVE, RayStatus.UNREACHABLE) else None
             outcome = (summary or {}).get("status") if record.kind == "job" else None
             state, action = reconcile_decision(record.state, ray_status, outcome, others_alive,
                                                self.stop_overdue(record, time.time()))

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from service.jobs import MISSING, UNREACHABLE, JobManager, RayUnavailable, ServiceSettings, reconcile_decision
+from service.jobs import JobManager, RayUnavailable, ServiceSettings, reconcile_decision
+from service.states import RayStatus
 from service.store import Record
 
 
@@ -297,14 +298,14 @@ def test_a_missing_latest_submission_is_not_resubmitted_while_an_earlier_one_run
 
 
 @pytest.mark.parametrize("state,ray_status,others_alive,overdue,expected", [
-    ("RUNNING", MISSING, True, False, ("RUNNING", None)),
-    ("RUNNING", MISSING, False, False, ("RUNNING", "resubmit")),
-    ("PENDING", MISSING, False, False, ("PENDING", "send")),
+    ("RUNNING", RayStatus.MISSING, True, False, ("RUNNING", None)),
+    ("RUNNING", RayStatus.MISSING, False, False, ("RUNNING", "resubmit")),
+    ("PENDING", RayStatus.MISSING, False, False, ("PENDING", "send")),
     ("PENDING", None, False, False, ("RUNNING", "resubmit")),
     ("PENDING", "RUNNING", False, False, ("RUNNING", None)),
     ("STOPPING", "RUNNING", False, True, ("STOPPING", "stop")),
     ("STOPPING", "RUNNING", False, False, ("STOPPING", None)),
-    ("STOPPING", UNREACHABLE, False, True, ("STOPPING", "wait")),
+    ("STOPPING", RayStatus.UNREACHABLE, False, True, ("STOPPING", "wait")),
 ])
 def test_reconcile_decision_with_live_submissions_and_overdue_stops(state, ray_status, others_alive, overdue,
                                                                      expected):
