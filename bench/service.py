@@ -70,7 +70,7 @@ def main() -> None:
     from service.app import JobService
     from cluster.ray_adapter import dashboard_url
     from service.auth import TokenEntry
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
 
     root = mkdtemp(prefix="etrain-bench-service-")
     ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=True,

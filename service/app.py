@@ -38,9 +38,9 @@ from service.auth import Principal, TokenEntry, Tokens
 from service.front_door import LoginLimiter, SharedRead, cross_site_refusal, downsample
 from service.http_limits import HttpLimits
 from service.isolation import check_code_tenants
-from service.jobs import (Conflict, Forbidden, JobManager, QuotaExceeded, RayUnavailable, ServiceSettings,
-                          jobs_headers)
+from service.jobs import Conflict, Forbidden, JobManager, QuotaExceeded, RayUnavailable
 from service.schemas import CheckpointOut, Health, MetricsOut, Problem, RecordList, RecordOut
+from service.settings import ServiceSettings, jobs_headers
 from service.states import STATE_PATTERN, JobState
 from service.store import ID_PATTERN, Record
 from trainers.api import SpecError, parse_text, read_history_tail

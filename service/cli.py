@@ -37,7 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.app import application, http_options
     from service.auth import TokenConfigError, bootstrap_admin, load_tokens
     from service.isolation import IsolationError, check_code_tenants
-    from service.jobs import jobs_headers
+    from service.settings import jobs_headers
     from service.store import Store
     from trainers.api import release_local_ray, start_local_ray
 
@@ -94,7 +94,7 @@ def serve_settings(args: argparse.Namespace, storage_root: str):
     import yaml
     from pydantic import ValidationError
 
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
 
     data: dict = {}
     if args.config:

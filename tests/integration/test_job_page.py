@@ -39,7 +39,7 @@ def watched(ray_local, tmp_path_factory):
 
     from service.app import JobService
     from service.auth import TokenEntry
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
 
     if not shutil.which("chromium"):
         pytest.fail("chromium is not installed: `make test` installs it (bash tests/system_packages.sh)")

@@ -39,7 +39,7 @@ def observed(ray_local, tmp_path_factory):
 
     from service.app import JobService
     from service.auth import TokenEntry
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
     from trainers.cli import prometheus_config_text
 
     work = tmp_path_factory.mktemp("observed")

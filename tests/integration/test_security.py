@@ -47,7 +47,7 @@ def service(ray_local, tmp_path_factory):
     from ray._private.worker import get_dashboard_url
 
     from service.auth import TokenEntry
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
 
     work = tmp_path_factory.mktemp("security")
     settings = ServiceSettings(

@@ -353,7 +353,8 @@ def test_a_tenant_follows_only_so_many_logs_at_once(tmp_path):
     from service import app
     from service.auth import Principal, Tokens
     from service.http_limits import HttpLimits
-    from service.jobs import JobManager, ServiceSettings
+    from service.jobs import JobManager
+    from service.settings import ServiceSettings
     from service.store import Record
 
     release = None

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from service.jobs import JobManager, RayUnavailable, ServiceSettings, reconcile_decision
+from service.jobs import JobManager, RayUnavailable, reconcile_decision
+from service.settings import ServiceSettings
 from service.states import RayStatus
 from service.store import Record
 

@@ -9,7 +9,8 @@ import pytest
 
 from service.auth import (Principal, TokenConfigError, Tokens, bootstrap_admin, hash_token, in_tenant_data, is_under,
                           load_tokens, parse_entries, policy_problems)
-from service.jobs import Forbidden, JobManager, QuotaExceeded, ServiceSettings, reconcile_decision, sweep_trials
+from service.jobs import Forbidden, JobManager, QuotaExceeded, reconcile_decision, sweep_trials
+from service.settings import ServiceSettings
 from service.store import Record, Store
 from trainers.config import SpecError
 
@@ -346,7 +347,7 @@ def test_factories_are_allowed_by_exact_name_never_by_module(tmp_path):
     """An allowed module's other names (a helper that opens a path for writing, a class, an imported
     name) take the tenant's keyword arguments too: only the listed module:function passes."""
     from service.auth import policy_problems
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
 
     allowed = ["acme_models.vision:make_resnet"]
     root = str(tmp_path / "tenants" / "t")
