@@ -67,7 +67,7 @@ def main() -> None:
     from ray import serve
     from ray.job_submission import JobSubmissionClient
 
-    from service.app import JobService
+    from service.deployment import JobService
     from cluster.ray_adapter import dashboard_url
     from service.auth import TokenEntry
     from service.settings import ServiceSettings

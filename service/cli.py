@@ -34,8 +34,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.storage import default_root
-    from service.app import application, http_options
     from service.auth import TokenConfigError, bootstrap_admin, load_tokens
+    from service.deployment import application, http_options
     from service.isolation import IsolationError, check_code_tenants
     from service.settings import jobs_headers
     from service.store import Store

@@ -62,7 +62,7 @@ def service(ray_local, tmp_path_factory):
     from ray import serve
     from ray._private.worker import get_dashboard_url
 
-    from service.app import application, http_options
+    from service.deployment import application, http_options
     from service.auth import TokenEntry
     from service.http_limits import HttpLimits
     from service.settings import ServiceSettings

@@ -37,7 +37,7 @@ def watched(ray_local, tmp_path_factory):
     from ray import serve
     from ray._private.worker import get_dashboard_url
 
-    from service.app import JobService
+    from service.deployment import JobService
     from service.auth import TokenEntry
     from service.settings import ServiceSettings
 

@@ -36,7 +36,7 @@ def token_of(who: str) -> str:
 def deploy(svc) -> None:
     from ray import serve
 
-    from service.app import JobService
+    from service.deployment import JobService
 
     serve.run(JobService.bind(svc.settings.model_dump(), svc.tokens), name="etrain", route_prefix="/")
 

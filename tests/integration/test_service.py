@@ -33,7 +33,7 @@ def token_of(who: str) -> str:
 def deploy(settings, tokens: list[dict]) -> None:
     from ray import serve
 
-    from service.app import JobService
+    from service.deployment import JobService
 
     serve.run(JobService.bind(settings.model_dump(), tokens), name="etrain", route_prefix="/")
 

@@ -251,7 +251,7 @@ def test_files_a_tenant_writes_are_read_bounded_and_a_hostile_one_reads_as_absen
     import json as json_
 
     from cluster.storage import open_root
-    from service.jobs import TENANT_JSON_MAX_BYTES, read_tenant_json
+    from service.views import TENANT_JSON_MAX_BYTES, read_tenant_json
     from trainers import history
 
     root = open_root(str(tmp_path))
