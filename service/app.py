@@ -29,19 +29,22 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from ray import serve
 from starlette.concurrency import run_in_threadpool
 
 from cluster.ray_adapter import serve_client_override_headers
 from service import web
-from service.auth import Principal, TokenEntry, Tokens
+from service.auth import Principal, Tokens
 from service.front_door import LoginLimiter, SharedRead, cross_site_refusal, downsample
 from service.http_limits import HttpLimits
 from service.isolation import check_code_tenants
-from service.jobs import (Conflict, Forbidden, JobManager, QuotaExceeded, RayUnavailable, ServiceSettings,
-                          jobs_headers)
+from service.jobs import JobManager
+from service.ray_failures import RayUnavailable
 from service.schemas import CheckpointOut, Health, MetricsOut, Problem, RecordList, RecordOut
+from service.settings import ServiceSettings, jobs_headers
+from service.states import STATE_PATTERN, JobState
 from service.store import ID_PATTERN, Record
+from service.submit import Conflict, Forbidden, QuotaExceeded
+from service.views import Views
 from trainers.api import SpecError, parse_text, read_history_tail
 
 # FastAPI's own /docs and /redoc load scripts from a CDN on this origin: ours (below) loads none.
@@ -72,6 +75,10 @@ def manager() -> JobManager:
     return _state["manager"]
 
 
+def views() -> Views:
+    return _state["manager"].views
+
+
 def limits() -> HttpLimits:
     return _state["limits"]
 
@@ -85,7 +92,7 @@ def principal(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> P
 
 
 def visible(record_id: str, who: Principal, kind: str) -> Record:
-    record = manager().visible(record_id, who.tenant, who.is_admin)
+    record = views().visible(record_id, who.tenant, who.is_admin)
     if record is None or record.kind != kind:
         raise HTTPException(404, f"no {kind} {record_id!r}")  # another tenant's looks the same as none
     return record
@@ -151,7 +158,7 @@ def add_routes(kind: str) -> None:
         data, digest = await read_spec_body(request)
         key = idempotency_key or None
         try:
-            record, created = await run_in_threadpool(manager().create, kind, who, data, key, digest)
+            record, created = await run_in_threadpool(manager().submitter.create, kind, who, data, key, digest)
         except Forbidden as exc:
             raise HTTPException(403, {"detail": f"this {kind} spec names what role {who.role!r} may not use",
                                       "problems": exc.problems}) from None
@@ -161,13 +168,13 @@ def add_routes(kind: str) -> None:
             raise HTTPException(429, str(exc)) from None
         except Conflict as exc:
             raise HTTPException(409, str(exc)) from None
-        return JSONResponse(manager().public(record), status_code=201 if created else 200)
+        return JSONResponse(views().public(record), status_code=201 if created else 200)
 
     @app.get(base, response_model=RecordList, responses=ERRORS, tags=[plural], operation_id=f"list_{plural}")
-    def list_records(state: str | None = Query(None, pattern="^(PENDING|RUNNING|STOPPING|STOPPED|SUCCEEDED|FAILED)$"),
+    def list_records(state: str | None = Query(None, pattern=STATE_PATTERN),
                      offset: int = Query(0, ge=0), limit: int = Query(50, ge=1, le=500),
                      who: Principal = Depends(principal)):
-        records = manager().list(kind, who.tenant, who.is_admin, state)
+        records = views().list(kind, who.tenant, who.is_admin, state)
         return {"items": [with_progress(r) for r in records[offset:offset + limit]], "total": len(records),
                 "offset": offset, "limit": limit}
 
@@ -200,7 +207,7 @@ def add_routes(kind: str) -> None:
                 if not record.submissions:
                     return
                 async for chunk in manager().client.tail_job_logs(record.submissions[-1]):
-                    yield manager().relative(record.tenant, chunk)
+                    yield views().relative(record.tenant, chunk)
             finally:
                 following[who.tenant] -= 1
         return StreamingResponse(stream(), media_type="text/plain")
@@ -209,7 +216,7 @@ def add_routes(kind: str) -> None:
               tags=[plural], operation_id=f"stop_{kind}", summary="Stop gracefully: a final checkpoint, then stop")
     def stop(record_id: str = RecordId, who: Principal = Depends(principal)):
         try:
-            return manager().public(manager().stop(visible(record_id, who, kind)))
+            return views().public(manager().reconciler.stop(visible(record_id, who, kind)))
         except Conflict as exc:
             raise HTTPException(409, str(exc)) from None
 
@@ -217,7 +224,7 @@ def add_routes(kind: str) -> None:
               tags=[plural], operation_id=f"resume_{kind}", summary="Resume from the newest checkpoint")
     def resume(record_id: str = RecordId, who: Principal = Depends(principal)):
         try:
-            return manager().public(manager().resume(visible(record_id, who, kind), who))
+            return views().public(manager().submitter.resume(visible(record_id, who, kind), who))
         except Forbidden as exc:
             raise HTTPException(403, {"detail": f"this {kind}'s spec names what role {who.role!r} may not use now",
                                       "problems": exc.problems}) from None
@@ -229,12 +236,12 @@ def add_routes(kind: str) -> None:
     @app.get(base + "/{record_id}/checkpoints", response_model=list[CheckpointOut], responses=ERRORS,
              tags=[plural], operation_id=f"checkpoints_{kind}")
     def checkpoints(record_id: str = RecordId, who: Principal = Depends(principal)):
-        return manager().checkpoints(visible(record_id, who, kind))
+        return views().checkpoints(visible(record_id, who, kind))
 
     @app.get(base + "/{record_id}/profiles", response_model=list[str], responses=ERRORS, tags=[plural],
              operation_id=f"profiles_{kind}", summary="URIs of profiler traces (training.profile)")
     def profiles(record_id: str = RecordId, who: Principal = Depends(principal)):
-        return manager().profiles(visible(record_id, who, kind))
+        return views().profiles(visible(record_id, who, kind))
 
     @app.get(base + "/{record_id}/metrics", response_model=MetricsOut, responses=ERRORS, tags=[plural],
              operation_id=f"metrics_{kind}", summary="Step metrics over time (loss, throughput, world size)")
@@ -248,7 +255,7 @@ def add_routes(kind: str) -> None:
 
 def with_progress(record: Record) -> dict:
     """The record as the API shows it, its progress from the latest metrics row (a running job's too)."""
-    data = manager().public(record)
+    data = views().public(record)
     data["progress"] = {**data["progress"], **{k: v for k, v in progress(record).items() if v is not None}}
     return data
 
@@ -314,9 +321,9 @@ def ui_static(name: str) -> Response:
 def ui_rows(who: Principal) -> list[dict]:
     """The tenant's jobs and sweeps, newest first, as the list shows them; their progress is read
     (``progress``) only for the rows of the page shown."""
-    mgr, rows = manager(), []
+    rows = []
     for kind in ("job", "sweep"):
-        for r in mgr.list(kind, who.tenant, who.is_admin):
+        for r in views().list(kind, who.tenant, who.is_admin):
             rows.append({"id": r.id, "name": r.name, "kind": r.kind, "state": r.state, "created_at": r.created_at,
                          "updated_at": r.updated_at, "record": r})
     return sorted(rows, key=lambda row: -row["created_at"])
@@ -332,25 +339,25 @@ PROGRESS_ROWS = 16  # the latest rows a progress reading needs: the last, and th
 def progress(record: Record) -> dict:
     """Where a record stands now (its latest metrics rows), not only where its last run ended:
     a few files' ends, never the whole history, for each row of a listing."""
-    rows = [] if record.kind == "sweep" else read_history_tail(manager().tenant_root(record.tenant), record.id,
-                                                               PROGRESS_ROWS)
-    return web.progress_of(record.model_dump(mode="json"), rows, manager().interruptions(record))
+    troot = manager().context.tenant_root(record.tenant)
+    rows = [] if record.kind == "sweep" else read_history_tail(troot, record.id, PROGRESS_ROWS)
+    return web.progress_of(record.model_dump(mode="json"), rows, views().interruptions(record))
 
 
 def history(record: Record) -> list[dict]:
     """A record's whole metrics history, read once per moment however many ask."""
-    return _state["histories"].get(record.id, lambda: manager().metrics(record))
+    return _state["histories"].get(record.id, lambda: views().metrics(record))
 
 
 def ray_log(record: Record, tail_lines: int) -> str:
     """The last lines of a record's latest Ray log; the log is fetched once per moment per submission."""
     if not record.submissions:
         return ""
-    text = _state["logs"].get(record.submissions[-1], lambda: manager().logs(record, None))
+    text = _state["logs"].get(record.submissions[-1], lambda: views().logs(record, None))
     return "".join(text.splitlines(keepends=True)[-tail_lines:]) if tail_lines > 0 else ""
 
 
-UI_STATE = Query(None, pattern="^(PENDING|RUNNING|STOPPING|STOPPED|SUCCEEDED|FAILED)$")
+UI_STATE = Query(None, pattern=STATE_PATTERN)
 UI_PAGE = Query(1, ge=1, le=1_000_000, alias="page")
 
 
@@ -400,16 +407,16 @@ LOG_LINES = 400  # the page's log: enough to scroll back through, small enough t
 def ui_record(record_id: str, who: Principal) -> Record | None:
     if not re.fullmatch(ID_PATTERN, record_id):
         return None
-    return manager().visible(record_id, who.tenant, who.is_admin)
+    return views().visible(record_id, who.tenant, who.is_admin)
 
 
 def ui_parts(record: Record) -> tuple:
-    mgr = manager()
+    shown = views()
     try:
         logs = ray_log(record, LOG_LINES)
     except RayUnavailable as exc:  # the page still shows the rest, and says why the log is missing
         logs = f"[logs unavailable: {exc}]"
-    return mgr.public(record), history(record), mgr.interruptions(record), mgr.checkpoints(record), logs
+    return shown.public(record), history(record), shown.interruptions(record), shown.checkpoints(record), logs
 
 
 @app.get("/ui/jobs/{record_id}", response_class=HTMLResponse, include_in_schema=False)
@@ -461,42 +468,13 @@ def configure(settings: ServiceSettings, tokens: Tokens, client=None, http: Http
     _state["metrics"] = metrics = ServiceMetrics()
 
     def count(records: list[Record]) -> None:
-        counts = {(k, s): 0 for k in ("job", "sweep") for s in ("PENDING", "RUNNING", "STOPPING", "STOPPED",
-                                                                   "SUCCEEDED", "FAILED")}
+        counts = {(k, s.value): 0 for k in ("job", "sweep") for s in JobState}  # plain names: Ray's tags
         for r in records:
             counts[(r.kind, r.state)] += 1
         metrics.states(counts)
-    mgr.on_reconciled = count
-    mgr.on_reconcile_error = metrics.reconcile_error
+    mgr.reconciler.on_reconciled = count
+    mgr.context.failures.on_error = metrics.reconcile_error
     stop = threading.Event()
-    threading.Thread(target=mgr.run_reconciler, args=(stop,), name="etrain-reconciler", daemon=True).start()
+    threading.Thread(target=mgr.reconciler.run, args=(stop,), name="etrain-reconciler", daemon=True).start()
     return stop
 
-
-DEFAULT_LIMITS = HttpLimits()
-
-
-@serve.deployment(num_replicas=1, max_ongoing_requests=DEFAULT_LIMITS.max_ongoing_requests,
-                  max_queued_requests=DEFAULT_LIMITS.max_queued_requests, ray_actor_options={"num_cpus": 0})
-@serve.ingress(app)
-class JobService:
-    """One replica holds the records in memory and writes them through to storage."""
-
-    def __init__(self, settings: dict, tokens: list[dict], http: dict | None = None):
-        self._stop = configure(ServiceSettings.model_validate(settings),
-                               Tokens([TokenEntry.model_validate(t) for t in tokens]),
-                               http=HttpLimits.model_validate(http or {}))
-
-    def __del__(self):
-        self._stop.set()
-
-
-def application(settings: dict, tokens: list[dict], http: HttpLimits):
-    """The deployment with the front door's limits: its own (slots, queue) and the replica's."""
-    return JobService.options(max_ongoing_requests=http.max_ongoing_requests,
-                              max_queued_requests=http.max_queued_requests).bind(settings, tokens, http.model_dump())
-
-
-def http_options(host: str, port: int, http: HttpLimits) -> dict:
-    """Serve's proxy options: where it listens, and the timeout after which it ends any request."""
-    return {"host": host, "port": port, "request_timeout_s": http.request_timeout_s}

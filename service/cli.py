@@ -11,15 +11,16 @@ import sys
 import time
 import uuid
 
+from service.states import JobState
 from trainers.api import SpecError, apply_overrides, read_spec_file
 from trainers.cli import build_parser
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
-CLIENT_EXAMPLES = """examples:
+CLIENT_EXAMPLES = f"""examples:
   etrain serve                                   # prints an admin token once
   export ETRAIN_SERVER=http://127.0.0.1:8000 ETRAIN_TOKEN=et_...
   etrain submit configs/quickstart.yaml          # a spec with a 'sweep' section goes to /v1/sweeps
-  etrain jobs list --state RUNNING
+  etrain jobs list --state {JobState.RUNNING}
   etrain jobs logs j-0123456789ab --follow
   etrain jobs stop j-0123456789ab                # final checkpoint, then stop
   etrain jobs resume j-0123456789ab
@@ -33,10 +34,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from cluster.storage import default_root
-    from service.app import application, http_options
     from service.auth import TokenConfigError, bootstrap_admin, load_tokens
+    from service.deployment import application, http_options
     from service.isolation import IsolationError, check_code_tenants
-    from service.jobs import jobs_headers
+    from service.settings import jobs_headers
     from service.store import Store
     from trainers.api import release_local_ray, start_local_ray
 
@@ -93,7 +94,7 @@ def serve_settings(args: argparse.Namespace, storage_root: str):
     import yaml
     from pydantic import ValidationError
 
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
 
     data: dict = {}
     if args.config:
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                            epilog=CLIENT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
         actions = p.add_subparsers(dest="action", required=True)
         lst = actions.add_parser("list", help=f"your {plural} (an admin sees every tenant's)")
-        lst.add_argument("--state", choices=["PENDING", "RUNNING", "STOPPING", "STOPPED", "SUCCEEDED", "FAILED"])
+        lst.add_argument("--state", choices=[s.value for s in JobState])
         add_client_args(lst)
         for action, text in (("get", "one record: state history, attempts, summary"),
                              ("logs", "the latest attempt's log"), ("stop", "final checkpoint, then stop"),

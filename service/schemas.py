@@ -6,7 +6,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-State = Literal["PENDING", "RUNNING", "STOPPING", "STOPPED", "SUCCEEDED", "FAILED"]
+from service.states import JobState
+
+# The names as a Literal, so the OpenAPI schema lists them inline (an Enum would become a component of its own).
+State = Literal[tuple(s.value for s in JobState)]
 
 
 class Problem(BaseModel):

@@ -26,15 +26,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-State = Literal["PENDING", "RUNNING", "STOPPING", "STOPPED", "SUCCEEDED", "FAILED"]
-TERMINAL: frozenset[str] = frozenset({"STOPPED", "SUCCEEDED", "FAILED"})
-ACTIVE: frozenset[str] = frozenset({"PENDING", "RUNNING", "STOPPING"})
+from service.states import JobState
+
 ID_PATTERN = r"^[js]-[0-9a-f]{12}$"
 DB_FILE = "service.sqlite3"
 
 
 class Transition(BaseModel):
-    state: State
+    state: JobState
     at: float
     reason: str = ""
 
@@ -44,7 +43,7 @@ class Record(BaseModel):
     kind: Literal["job", "sweep"]
     tenant: str
     name: str  # the name in the user's spec; the run itself is named by ``id``
-    state: State = "PENDING"
+    state: JobState = JobState.PENDING
     history: list[Transition] = []
     spec: dict[str, Any]
     spec_uri: str
@@ -63,8 +62,9 @@ class Record(BaseModel):
     summary: dict[str, Any] | None = None
     error: str | None = None
 
-    def move(self, state: str, reason: str = "") -> bool:
+    def move(self, state: JobState | str, reason: str = "") -> bool:
         """Change state (recording why); False when it is already in that state."""
+        state = JobState(state)  # assignment is not validated: a plain name must not stay a plain str
         if state == self.state:
             return False
         now = time.time()

@@ -24,6 +24,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 
 from service.front_door import downsample
 from service.http_limits import HttpLimits
+from service.states import ACTIVE, JobState
 from trainers.api import strip_ansi
 
 # Script and styles only from the service itself, data only from it, forms only to it, no framing.
@@ -31,8 +32,6 @@ CSP = ("default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'se
        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
            "X-Frame-Options": "DENY", "Cache-Control": "no-store"}
-STATES = ("PENDING", "RUNNING", "STOPPING", "STOPPED", "SUCCEEDED", "FAILED")
-ACTIVE_STATES = ("PENDING", "RUNNING", "STOPPING")
 # The files under service/static the page may load, with their media types; nothing else is served.
 STATIC = {"etrain.css": "text/css", "etrain.js": "text/javascript",
           "vendor/uplot/uPlot.iife.min.js": "text/javascript", "vendor/uplot/uPlot.min.css": "text/css",
@@ -159,7 +158,7 @@ def progress_of(record: dict, rows: Sequence[Any], interruptions: Sequence[Any] 
     step = number(last.get("step"))
     step = number(summary.get("final_step")) if step is None else step
     target = number(last.get("target_step")) or number(summary.get("target_step")) or number(training.get("max_steps"))
-    running = record.get("state") in ("RUNNING", "STOPPING")
+    running = record.get("state") in (JobState.RUNNING, JobState.STOPPING)
     return {"step": step, "target_step": target,
             "fraction": min(1.0, step / target) if step is not None and target else None,
             "eta_s": eta_s(rows, target, since) if running else None, "loss": number(last.get("loss")),
@@ -223,7 +222,7 @@ def jobs_table(rows: Sequence[dict], state: str | None = None, now: float | None
     to read it}, newest first. Counts cover every row; only one page is shown, and only its
     rows' progress is read."""
     now = time.time() if now is None else now
-    counts = {s: sum(1 for r in rows if r.get("state") == s) for s in STATES}
+    counts = {s: sum(1 for r in rows if r.get("state") == s) for s in JobState}
     matching = [r for r in rows if not state or r.get("state") == state]
     pages = max(1, math.ceil(len(matching) / page_rows))
     page = min(page, pages)
@@ -239,7 +238,7 @@ def jobs_table(rows: Sequence[dict], state: str | None = None, now: float | None
                       "goodput": percent(p.get("goodput")), "cost": usd(p.get("cost_usd")),
                       "age": duration(now - created) if created is not None else "-",
                       "updated": fmt_time(r.get("updated_at"))})
-    return render("jobs_table.html", rows=shown, state=state, states=STATES, counts=counts, total=len(rows),
+    return render("jobs_table.html", rows=shown, state=state, states=list(JobState), counts=counts, total=len(rows),
                   page=page, pages=pages, state_query=f"state={state}&" if state else "")
 
 
@@ -290,7 +289,7 @@ def job_view(record: dict, rows: Sequence[Any], interruptions: Sequence[Any], ch
         key=lambda c: (number(c["step"]) is None, -(number(c["step"]) or 0)))
     lines = log_lines(log_text)
     return {"id": record["id"], "name": record["name"], "state": record["state"],
-            "active": record["state"] in ACTIVE_STATES, "summary": summary, "interruptions": shown_interruptions,
+            "active": record["state"] in ACTIVE, "summary": summary, "interruptions": shown_interruptions,
             "checkpoints": shown_checkpoints, "log": lines,
             "chart": chart_data(downsample(valid_rows(rows), max_points), interruptions)}
 

@@ -62,10 +62,10 @@ def service(ray_local, tmp_path_factory):
     from ray import serve
     from ray._private.worker import get_dashboard_url
 
-    from service.app import application, http_options
+    from service.deployment import application, http_options
     from service.auth import TokenEntry
     from service.http_limits import HttpLimits
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
 
     work = tmp_path_factory.mktemp("front-door")
     settings = ServiceSettings(storage_root=str(work / "root"), state_dir=str(work / "state"),

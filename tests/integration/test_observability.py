@@ -37,9 +37,9 @@ def observed(ray_local, tmp_path_factory):
     from ray import serve
     from ray._private.worker import get_dashboard_url
 
-    from service.app import JobService
+    from service.deployment import JobService
     from service.auth import TokenEntry
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
     from trainers.cli import prometheus_config_text
 
     work = tmp_path_factory.mktemp("observed")

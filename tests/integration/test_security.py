@@ -36,7 +36,7 @@ def token_of(who: str) -> str:
 def deploy(svc) -> None:
     from ray import serve
 
-    from service.app import JobService
+    from service.deployment import JobService
 
     serve.run(JobService.bind(svc.settings.model_dump(), svc.tokens), name="etrain", route_prefix="/")
 
@@ -47,7 +47,7 @@ def service(ray_local, tmp_path_factory):
     from ray._private.worker import get_dashboard_url
 
     from service.auth import TokenEntry
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
 
     work = tmp_path_factory.mktemp("security")
     settings = ServiceSettings(

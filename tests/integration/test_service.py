@@ -33,7 +33,7 @@ def token_of(who: str) -> str:
 def deploy(settings, tokens: list[dict]) -> None:
     from ray import serve
 
-    from service.app import JobService
+    from service.deployment import JobService
 
     serve.run(JobService.bind(settings.model_dump(), tokens), name="etrain", route_prefix="/")
 
@@ -44,7 +44,7 @@ def service(ray_local, tmp_path_factory):
     from ray._private.worker import get_dashboard_url
 
     from service.auth import TokenEntry
-    from service.jobs import ServiceSettings
+    from service.settings import ServiceSettings
 
     root = tmp_path_factory.mktemp("service-root")
     settings = ServiceSettings(storage_root=str(root), state_dir=str(tmp_path_factory.mktemp("service-state")),

@@ -251,7 +251,7 @@ def test_files_a_tenant_writes_are_read_bounded_and_a_hostile_one_reads_as_absen
     import json as json_
 
     from cluster.storage import open_root
-    from service.jobs import TENANT_JSON_MAX_BYTES, read_tenant_json
+    from service.views import TENANT_JSON_MAX_BYTES, read_tenant_json
     from trainers import history
 
     root = open_root(str(tmp_path))
@@ -353,7 +353,8 @@ def test_a_tenant_follows_only_so_many_logs_at_once(tmp_path):
     from service import app
     from service.auth import Principal, Tokens
     from service.http_limits import HttpLimits
-    from service.jobs import JobManager, ServiceSettings
+    from service.jobs import JobManager
+    from service.settings import ServiceSettings
     from service.store import Record
 
     release = None

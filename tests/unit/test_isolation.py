@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.isolation import code_tenants_problem, same_address
-from service.jobs import ServiceSettings, jobs_headers
+from service.settings import ServiceSettings, jobs_headers
 
 URL = "http://10.0.0.5:8265"
 

@@ -1,9 +1,10 @@
 """The page's readings of a job: the log as lines by source and level, progress and ETA, the
-jobs list's filter; and what `etrain run` shows in a terminal."""
+jobs list's filter, every value a job wrote escaped; and what `etrain run` shows in a terminal."""
 
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 
@@ -107,6 +108,22 @@ def test_the_policy_allows_script_from_the_service_only():
     directives = dict(d.strip().split(" ", 1) for d in web.CSP.split(";"))
     assert directives["script-src"] == "'self'" and directives["default-src"] == "'none'"
     assert "unsafe" not in web.CSP and "http" not in web.CSP
+
+
+def test_the_page_escapes_every_value_a_job_wrote():
+    evil = "<img src=x onerror=window.__pwned=1>"
+    record = {"id": "j-0123456789ab", "name": evil, "state": "RUNNING"}
+    rows = [{"time": 1.0, "step": evil, "world_size": evil, "loss": evil, "samples_per_s": 1.0},
+            {"time": 2.0, "step": 2, "world_size": evil, "loss": 0.5, "samples_per_s": 2.0, "goodput": evil}]
+    html = web.job_page(record, rows, [{"cause": evil, "interrupted_at": evil, "steps_lost": evil, "recovery_s": evil}],
+                        [{"step": evil, "complete": True, "size_bytes": evil, "uri": evil}], evil)
+    assert "<img" not in html and html.count("&lt;img src=x onerror=window.__pwned=1&gt;") >= 7
+    data = web.job_data(record, rows, [{"cause": evil, "step_reached": 3, "world_size_before": evil}], [], evil)
+    assert "<img" not in json.dumps(data["html"])  # the script puts these parts in as HTML: escaped here
+    assert data["chart"]["interruptions"][0]["cause"] == evil  # labels are data; the script sets them as text
+    listing = web.jobs_page(evil, [{"id": evil, "name": evil, "kind": "job", "state": evil, "created_at": evil,
+                                    "progress": {"step": evil, "target_step": 3, "goodput": evil}, "updated_at": evil}])
+    assert "<img" not in listing
 
 
 # ---------------------------------------------------------------- the console
