@@ -52,7 +52,7 @@ def main() -> None:
     from cluster.spot import IMDS, drain_node, watch
     from trainers.config import validate
     from trainers.home import job_home
-    from cluster.ray_adapter import kv_get
+    from cluster.ray_adapter.kv import kv_get
     from trainers.launch import run_job
 
     cluster = Cluster(initialize_head=True, head_node_args={

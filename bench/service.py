@@ -68,7 +68,7 @@ def main() -> None:
     from ray.job_submission import JobSubmissionClient
 
     from service.app import JobService
-    from cluster.ray_adapter import dashboard_url
+    from cluster.ray_adapter.dashboard import dashboard_url
     from service.auth import TokenEntry
     from service.jobs import ServiceSettings
 

@@ -32,7 +32,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ray import serve
 from starlette.concurrency import run_in_threadpool
 
-from cluster.ray_adapter import serve_client_override_headers
+from cluster.ray_adapter.serve import serve_client_override_headers
 from service import web
 from service.auth import Principal, TokenEntry, Tokens
 from service.front_door import LoginLimiter, SharedRead, cross_site_refusal, downsample
@@ -437,7 +437,7 @@ def ui_job_data(record_id: str, request: Request) -> JSONResponse:
 
 def own_dashboard_url() -> str | None:
     """The dashboard of the Ray this replica runs in; None when Ray does not say."""
-    from cluster.ray_adapter import dashboard_url
+    from cluster.ray_adapter.dashboard import dashboard_url
 
     try:
         return dashboard_url()

@@ -35,13 +35,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from cluster.ray_adapter.dashboard import dashboard_client
 from cluster.signed_fs import KEY_ENV as STATE_KEY_ENV
 from cluster.signed_fs import new_key
 from cluster.storage import StorageRoot, open_root
 from service.auth import ROLES, Principal, in_tenant_data, is_under, policy_problems
 from service.limits import (DEFAULT_ROLE_LIMITS, Footprint, RoleLimits, job_footprint, limit_problems_of,
                             quota_problem, sweep_footprint)
-from service.ray_clients import dashboard_client
 from service.store import ACTIVE, TERMINAL, Record, Store, new_id
 from trainers import api as trainers
 from trainers.api import NAME_PATTERN, SpecError

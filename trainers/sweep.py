@@ -162,7 +162,7 @@ def domain_problems(key: str, domain: Any, search: str) -> list[str]:
 def tune_expression_at(value: Any, path: str) -> str | None:
     """Where ``value`` holds a mapping keyed like a Ray Tune expression (``eval``, ``grid_search``),
     as a problem line, or None. Walked without recursion, at any depth."""
-    from cluster.ray_adapter import TUNE_EXPRESSION_KEYS
+    from cluster.ray_adapter.tune import TUNE_EXPRESSION_KEYS
 
     stack = [(value, path)]
     while stack:
@@ -385,11 +385,12 @@ def remove_trial_placement_group(jobs: StorageRoot, trial_id: str, say=print) ->
     Tune stops a trial (its scheduler's early stop, an error) by ending the trial's actor: the
     training's controller, a child of it, goes too, but the workers' placement group belongs to the
     job and stays, holding their CPUs, until later trials could not start (bench/sweep.py hung
-    so). The trial records it under its job's key (cluster.ray_adapter.placement_group_record)."""
-    from cluster import ray_adapter
+    so). The trial records it under its job's key (cluster.ray_adapter.train_callbacks.placement_group_record)."""
+    from cluster.ray_adapter import train_callbacks
 
     try:
-        ray_adapter.remove_recorded_placement_group(ray_adapter.placement_group_record(trial_job_key(jobs, trial_id)))
+        train_callbacks.remove_recorded_placement_group(
+            train_callbacks.placement_group_record(trial_job_key(jobs, trial_id)))
     except Exception as exc:  # boundary: a leftover only costs capacity; the sweep goes on
         say(f"[etrain] note: could not remove trial {trial_id}'s placement group ({type(exc).__name__}: {exc})")
 
@@ -407,6 +408,8 @@ def trial_cleanup_callback(jobs: StorageRoot):
     import ray
     from ray import tune
 
+    from cluster.ray_adapter.tune import actor_ready, trial_actor
+
     class RemoveEndedTrialsPlacementGroups(tune.Callback):
         POLL_INTERVAL_S = 1.0
 
@@ -421,7 +424,7 @@ def trial_cleanup_callback(jobs: StorageRoot):
             self._ended(trial)
 
         def _ended(self, trial) -> None:
-            actor = trial.temporary_state.ray_actor
+            actor = trial_actor(trial)
             if actor is None:
                 remove_trial_placement_group(jobs, trial.trial_id)
             else:
@@ -434,7 +437,7 @@ def trial_cleanup_callback(jobs: StorageRoot):
             for trial_id, entry in list(self.ending.items()):
                 actor, call = entry
                 if call is None:
-                    entry[1] = actor.__ray_ready__.remote()
+                    entry[1] = actor_ready(actor)
                     continue
                 if not ray.wait([call], timeout=0)[0]:
                     continue
@@ -517,10 +520,12 @@ def run_sweep(plan: SweepPlan, resume: bool = False, say=print) -> tuple[int, di
     import ray
     from ray import tune
 
-    from trainers.launch import EXIT_FAILED, EXIT_OK, ensure_ray, preflight, release_ray
+    from cluster.ray_adapter.tune import checkpoint_experiment_every
+    from cluster.ray_session import ensure_ray, release_ray
+    from trainers.launch import EXIT_FAILED, EXIT_OK, preflight
     from trainers.workloads.datasets import prepare_data
 
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # a killed driver loses at most 1 s of trial states
+    checkpoint_experiment_every(1)  # a killed driver loses at most 1 s of trial states
     started = time.time()
     root = preflight(plan.spec)
     sweep_dir = f"sweeps/{plan.name}"

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from cluster.metrics import node_kind
-from cluster.ray_adapter import BATCH_EVERY_THREAD, batch_schedule_worker, on_resize_request
+from cluster.ray_adapter.train_worker import BATCH_EVERY_THREAD, batch_schedule_worker, on_resize_request
 from cluster.storage import open_root
 from trainers import checkpoint as ckpt
 from trainers.checkpointer import Checkpointer, Kind
@@ -201,7 +201,7 @@ class Pulse:
 
 class ResizeRequest:
     """Ray Train's word, on a worker, that it is about to restart the group to resize it
-    (cluster.ray_adapter.CheckpointBeforeResize, in Ray's actor thread beside the training
+    (cluster.ray_adapter.train_callbacks.CheckpointBeforeResize, in Ray's actor thread beside the training
     thread). The loop reads ``asked`` at its next sync step, where every rank agrees on it through
     the all-reduce as on a stop, checkpoints, and says at which step (:meth:`saved`)."""
 
@@ -631,7 +631,7 @@ def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
 
 def ray_preemption_noticed() -> bool:
     """This worker's own view of a spot notice: a local read, no Ray call (the agreement rides the all-reduce)."""
-    from cluster.ray_adapter import local_preemption_info
+    from cluster.ray_adapter.train_worker import local_preemption_info
 
     return local_preemption_info() is not None
 

@@ -40,7 +40,7 @@ def observed(ray_local, tmp_path_factory):
     from service.app import JobService
     from service.auth import TokenEntry
     from service.jobs import ServiceSettings
-    from trainers.cli import prometheus_config_text
+    from cluster.cli import prometheus_config_text
 
     work = tmp_path_factory.mktemp("observed")
     (work / "prometheus.yml").write_text(prometheus_config_text(interval_s=1))
