@@ -19,7 +19,7 @@ the other, a pair's ratio here measured the host (0.57-1.83 in one hour). Figure
 - end-to-end ratio: the time each whole command ran (its turns, and alone after the other
   ended), start-up included, (b) over (a); reported, no target (Ray's start-up is the difference).
 - ratio at equal scheduling: (b) over (a) run wholly under SCHED_BATCH, the policy our CPU ranks
-  take (cluster/ray_adapter.py: batch_schedule_worker), a third side of the in-memory turns;
+  take (cluster/ray_adapter/train_worker.py: batch_schedule_worker), a third side of the in-memory turns;
   reported, no target. Torchrun's ranks gain from it as much as ours or more: the difference
   between this figure and the throughput ratio is what that policy gives, the rest is our cost.
 

@@ -48,7 +48,7 @@ def main() -> None:
     from ray.cluster_utils import Cluster
     from waiting import wait_for
 
-    from cluster.ray_adapter import kv_get
+    from cluster.ray_adapter.kv import kv_get
     from cluster.rehearsal.imds import FakeIMDS
     from cluster.spot import IMDS, drain_node, watch
     from trainers.config.loading import validate

@@ -108,7 +108,7 @@ NOTES = {
         "which differ by a few percent whatever they do; neighbouring windows of one job do not.",
     "throughput ratio":
         "against torchrun as a user runs it. Our CPU ranks run under SCHED_BATCH "
-        "(cluster/ray_adapter.py: batch_schedule_worker): with 2 gloo ranks on 2 cores the wake-ups of a rank's "
+        "(cluster/ray_adapter/train_worker.py: batch_schedule_worker): with 2 gloo ranks on 2 cores the wake-ups of a rank's "
         "helper threads (Ray's 10 ms signal check on the worker's main thread, gloo's transport threads) "
         "preempted the training and, ranks being in lockstep, stalled both; plain DDP's own loop inside Ray "
         "Train ran at 0.90-0.92 of torchrun. Torchrun's ranks gain as much or more from the same policy: the "

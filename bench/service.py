@@ -67,10 +67,10 @@ def main() -> None:
     from ray import serve
     from ray.job_submission import JobSubmissionClient
 
-    from service.deployment import JobService
-    from cluster.ray_adapter import dashboard_url
+    from cluster.ray_adapter.dashboard import dashboard_url
+    from service.app import JobService
     from service.auth import TokenEntry
-    from service.settings import ServiceSettings
+    from service.jobs import ServiceSettings
 
     root = mkdtemp(prefix="etrain-bench-service-")
     ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=True,

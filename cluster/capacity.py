@@ -64,7 +64,7 @@ def config_path() -> Path:
 
 def gpu_capacity(gpus_now: float) -> GpuCapacity:
     """The connected cluster's GPU capacity (call with ``ray.cluster_resources().get("GPU", 0)``)."""
-    from cluster.ray_adapter import reported_max_resources
+    from cluster.ray_adapter.cluster_view import reported_max_resources
 
     reported = reported_max_resources()
     if reported and reported.get("GPU", 0) > 0:

@@ -25,13 +25,15 @@ import threading
 import time
 from urllib.parse import parse_qs
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi import Path as PathParam
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from fastapi import Query, Request
+from fastapi.responses import (HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response,
+                               StreamingResponse)
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 
-from cluster.ray_adapter import serve_client_override_headers
+from cluster.ray_adapter.serve import serve_client_override_headers
 from service import web
 from service.auth import Principal, Tokens
 from service.front_door import LoginLimiter, SharedRead, cross_site_refusal, downsample
@@ -444,7 +446,7 @@ def ui_job_data(record_id: str, request: Request) -> JSONResponse:
 
 def own_dashboard_url() -> str | None:
     """The dashboard of the Ray this replica runs in; None when Ray does not say."""
-    from cluster.ray_adapter import dashboard_url
+    from cluster.ray_adapter.dashboard import dashboard_url
 
     try:
         return dashboard_url()

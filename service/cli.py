@@ -156,7 +156,7 @@ def http_limits(args: argparse.Namespace):
 
 def _dashboard_url() -> str:
     """The Jobs API address of the Ray this process is connected to."""
-    from cluster.ray_adapter import dashboard_url
+    from cluster.ray_adapter.dashboard import dashboard_url
 
     return dashboard_url()
 

@@ -7,8 +7,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.ray_adapter.dashboard import dashboard_client
 from cluster.storage import StorageRoot, open_root
-from service.ray_clients import dashboard_client
 from service.ray_failures import Failures
 from service.settings import ServiceSettings, jobs_headers
 from service.store import Store

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from service.ray_clients import dashboard_client
+from cluster.ray_adapter.dashboard import dashboard_client
 
 
 class IsolationError(Exception):

@@ -66,7 +66,7 @@ def ray_address_record_kept(request):
     if not any(request.node.get_closest_marker(m) for m in ("ray", "e2e")):
         yield  # the unit tier starts no Ray: it leaves the machine's record alone
         return
-    from cluster.ray_adapter import address_record
+    from cluster.ray_adapter.local import address_record
 
     record = address_record()
     before = record.read_text() if record.exists() else None
@@ -77,7 +77,7 @@ def ray_address_record_kept(request):
             record.unlink(missing_ok=True)
         else:
             record.write_text(before)
-            from trainers.launch import running_cluster_address
+            from cluster.ray_session import running_cluster_address
 
             running_cluster_address()  # and gone if its Ray stopped meanwhile (a multi-node test stops the shared one)
 
@@ -148,9 +148,10 @@ def start_local_ray():
     own "auto" lookups pick the recorded cluster; without a record, any. Ray Jobs' supervisor
     resolves "auto" that way for each job's driver, so the service tests' jobs need it.
     """
-    from cluster.ray_adapter import address_record, init_local_ray
-    from trainers.launch import running_cluster_address
     from waiting import wait_for
+
+    from cluster.ray_adapter.local import address_record, init_local_ray
+    from cluster.ray_session import running_cluster_address
 
     running_cluster_address()  # removes a record left by a killed Ray, which Ray's own lookups would use
     # ray.init takes no agent port: Ray's default must be free, or the agent serves no HTTP and every
@@ -199,7 +200,7 @@ def pytest_sessionfinish(session, exitstatus):
     stop_multi_node()
     ray = _sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        from cluster.ray_adapter import address_record, shutdown_local_ray
+        from cluster.ray_adapter.local import address_record, shutdown_local_ray
 
         address = ray.get_runtime_context().gcs_address
         shutdown_local_ray()  # with any worker whose teardown hung (it would outlive the suite)
@@ -219,7 +220,7 @@ def stop_multi_node() -> None:
     import ray
 
     from cluster.leftovers import stop_leftovers
-    from cluster.ray_adapter import address_record
+    from cluster.ray_adapter.local import address_record
 
     record = address_record()
     while _MULTI_NODE:

@@ -85,12 +85,12 @@ def profiles(root: StorageRoot, job: str) -> list[str]:
 def start_local_ray(workers: int) -> bool:
     """Join the running Ray, else start a local one for `etrain serve`; True when this process started it
     (and ``release_local_ray`` must stop it)."""
-    from trainers.launch import ensure_ray
+    from cluster.ray_session import ensure_ray
 
     return ensure_ray(workers)
 
 
 def release_local_ray(started: bool) -> None:
-    from trainers.launch import release_ray
+    from cluster.ray_session import release_ray
 
     release_ray(started)

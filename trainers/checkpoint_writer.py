@@ -208,7 +208,7 @@ class Checkpointer:
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
-        from cluster.ray_adapter import run_storage_filesystem
+        from cluster.ray_adapter.train_worker import run_storage_filesystem
 
         failed: Exception | None = None
         with self._yielding.idle():  # none of this starts a thread (writes in this one, see below)

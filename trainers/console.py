@@ -2,7 +2,7 @@
 
 Rank 0 prints a progress line at every log step (``progress_line``); Ray forwards it, with
 every other line its workers and actors print, to the driver. The driver's ``Console`` takes
-those lines from Ray (cluster.ray_adapter.route_worker_logs) and shows:
+those lines from Ray (cluster.ray_adapter.logs.route_worker_logs) and shows:
 
 - on a TTY, the progress lines as one live line (rich: step/target, loss, samples/s, ETA)
   and our other ``[etrain]`` lines above it;
@@ -89,7 +89,9 @@ class Console:
     def __enter__(self) -> "Console":
         if self.live:
             from rich.console import Console as RichConsole
-            from rich.progress import BarColumn, Progress as Bar, TextColumn
+            from rich.progress import BarColumn
+            from rich.progress import Progress as Bar
+            from rich.progress import TextColumn
 
             self._bar = Bar(TextColumn("step {task.completed:.0f}/{task.fields[target]}"), BarColumn(),
                             TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[stats]}"),
@@ -121,7 +123,7 @@ class Console:
         import ray
 
         if not self._routed and ray.is_initialized():
-            from cluster.ray_adapter import route_worker_logs
+            from cluster.ray_adapter.logs import route_worker_logs
 
             route_worker_logs(self.worker_lines)
             self._routed = True
@@ -132,7 +134,7 @@ class Console:
         """A batch of lines Ray forwarded from one worker or actor."""
         lines = batch.get("lines", [])
         if batch.get("pid") == "autoscaler":  # its status dump every few seconds: only its events count
-            from cluster.ray_adapter import autoscaler_events
+            from cluster.ray_adapter.logs import autoscaler_events
 
             lines = autoscaler_events(lines)
         for line in lines:

@@ -11,11 +11,9 @@ An absolute ``checkpoint.path`` moves the job's folder there (see trainers.home)
 
 from __future__ import annotations
 
-import logging
 import os
 import posixpath
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -25,8 +23,10 @@ import pyarrow.fs as pafs
 import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 
-from cluster import ray_adapter
 from cluster.capacity import gpu_capacity
+from cluster.ray_adapter import train_torch
+from cluster.ray_adapter.train_worker import WORKER_ENV
+from cluster.ray_session import NodeWatch, ensure_ray, node_liveness, release_ray, settle_cluster_view
 from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint_files as ckpt
 from trainers.config.errors import SpecError
@@ -35,8 +35,6 @@ from trainers.home import JobHome, job_home
 from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV
 from trainers.workloads.datasets import prepare_data
-
-log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_STOPPED = 0, 1, 2, 3
 CONTROLLER_POLL_INTERVAL_S = 0.5
@@ -96,125 +94,6 @@ def preflight(spec: JobSpec) -> StorageRoot:
     return root
 
 
-def running_cluster_address() -> str | None:
-    """RAY_ADDRESS, or the cluster `ray start` left on record if its GCS answers.
-
-    A Ray that was killed without `ray stop` leaves its address record behind. Joining that
-    address hangs, and so do Ray's own "auto" lookups inside the local Ray started instead (a
-    Ray Jobs driver's ``ray.init()``, `ray status`). A one-second TCP probe
-    tells a live cluster from a stale record. The record is removed, as `ray stop` would have
-    done, only when it is surely dead: this user's own file, naming this machine, whose GCS
-    port refuses the connection (not a timeout: a busy or distant GCS), and unchanged meanwhile.
-    """
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"]
-    record = ray_adapter.address_record()
-    try:
-        address = record.read_text().strip()
-    except OSError:
-        return None
-    host, port = split_address(address)
-    if host is None:
-        return None  # empty or being written: leave it
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return address
-    except ConnectionRefusedError:
-        refused = True
-    except OSError:
-        refused = False
-    if refused and is_local_host(host) and owned_by_me(record):
-        try:
-            if record.read_text().strip() == address:
-                record.unlink()
-                log.warning("removed %s: it named %s, where no Ray answers (a Ray stopped without `ray stop`)",
-                            record, address)
-        except OSError:
-            pass
-    return None
-
-
-def split_address(address: str) -> tuple[str | None, int]:
-    """``host:port`` or ``[v6]:port`` -> (host, port); (None, 0) when it is neither."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        return None, 0
-    return host.strip("[]"), int(port)
-
-
-def is_local_host(host: str) -> bool:
-    """An address of this machine: loopback, or one of its own interfaces."""
-    import ipaddress
-
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        return host == "localhost"
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((host, 0))  # only an address of this machine can be bound
-        return True
-    except OSError:
-        return False
-
-
-def owned_by_me(path) -> bool:
-    try:
-        return path.stat().st_uid == os.getuid()
-    except OSError:
-        return False
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: fewer than the machine's under taskset or a container's
-    cpuset, where a local Ray sized by the machine would start more workers than it has cores."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def ensure_ray(num_workers: int) -> bool:
-    """Join the running cluster (RAY_ADDRESS or `ray start`), else start a local Ray on loopback.
-
-    Returns True when this process started Ray (and so must shut it down).
-    """
-    if ray.is_initialized():
-        return False
-    address = running_cluster_address()
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return False
-    num_cpus = max(usable_cpus(), num_workers + 2)
-    # Ray's dashboard (its Train pages, its state API for `ray list`): for the user to look at the run.
-    ray_adapter.init_local_ray(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                               configure_logging=True, logging_level="WARNING")
-    return True
-
-
-def release_ray(started_ray: bool) -> None:
-    """Shut down a Ray this process started (:func:`ensure_ray`), with any of its workers that
-    hang on after it (Ray's teardown can deadlock: ray_adapter.shutdown_local_ray); a cluster
-    this process joined stays up."""
-    if not started_ray:
-        return
-    killed = ray_adapter.shutdown_local_ray()
-    if killed:
-        log.warning("stopped %d Ray worker process(es) that hung on after the local Ray stopped (pids %s)",
-                    len(killed), ", ".join(map(str, killed)))
-
-
-# What each training worker process starts with:
-# - RAY_TRAIN_ENABLE_PRINT_PATCH=0: Ray would also log every print() of a worker, doubling each
-#   progress line.
-# - RAY_worker_niceness=0: Ray starts its workers at nice 15, below its own daemons and the driver.
-#   DDP's ranks move in lockstep, so every wake-up of those (the controller's polls, the driver's
-#   log reads, the raylet) that preempts one rank stalls all of them: plain DDP's own loop inside
-#   Ray Train ran at 0.70-0.80 of torchrun's samples/s at nice 15 and 0.87-1.00 at nice 0, side by
-#   side on 2 cores. At equal niceness the daemons still get their fair share when they wake.
-WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_worker_niceness": "0"}
-
-
 def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
                   stop_at_step: int | None, run_id: str = "", previous_failure: str | None = None,
                   callbacks: tuple = (), submitted_at: float | None = None):
@@ -222,19 +101,17 @@ def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
 
     storage_path, run_name = home.ray_paths()
     d = spec.distributed
-    # Ray Train propagates its RAY_TRAIN_* settings from the driver to its controller.
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(spec.fault_tolerance.worker_start_timeout_s))
-    # The controller polls its workers this often: it sees a finished or failed group within
-    # 0.5 s instead of Ray's 2 s (each poll is one small call per worker), and it takes one
-    # report per poll while report() waits for it (a sweep's trials report at every checkpoint).
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", str(CONTROLLER_POLL_INTERVAL_S))
+    # The controller polls its workers every CONTROLLER_POLL_INTERVAL_S: it sees a finished or failed
+    # group within 0.5 s instead of Ray's 2 s (each poll is one small call per worker), and it takes
+    # one report per poll while report() waits for it (a sweep's trials report at every checkpoint).
+    train_torch.set_controller_knobs(spec.fault_tolerance.worker_start_timeout_s, CONTROLLER_POLL_INTERVAL_S)
     num_workers = d.num_workers if isinstance(d.num_workers, int) else (d.num_workers.min, d.num_workers.max)
     loop = train_loop_per_worker
     if spec.train_loop:
         from trainers.workloads.custom import load_ref
 
         loop = load_ref(spec.train_loop)
-    return ray_adapter.torch_trainer(
+    return train_torch.torch_trainer(
         loop,
         # Only a sweep passes callbacks (Tune's). Tune stops a trial by ending its actor, and this
         # driver with it: the sweep's driver removes the workers' placement group, found by the job.
@@ -247,7 +124,7 @@ def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
             "run_id": run_id, "previous_failure": previous_failure, "attempt_started_at": time.time(),
             "submitted_at": submitted_at,
         },
-        torch_config=ray_adapter.torch_config(backend=runtime.backend, timeout_s=d.timeout_s),
+        torch_config=train_torch.torch_config(backend=runtime.backend, timeout_s=d.timeout_s),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=runtime.use_gpu,
                                      resources_per_worker=d.resources_per_worker,
                                      elastic_resize_monitor_interval_s=d.resize_check_interval_s),
@@ -342,7 +219,7 @@ def first_submitted_at(home: JobHome, now: float) -> float:
 def stop_on_signals(flag: StopFlag, say):
     """SIGTERM (`ray job stop`, a process manager) and the first Ctrl-C become a graceful stop:
     checkpoint at the next log step, then exit 3. During the fit a second Ctrl-C is Ray Train's
-    own: it aborts the run at once (cluster.ray_adapter.torch_trainer chains the two).
+    own: it aborts the run at once (train_torch.torch_trainer chains the two).
 
     Only the main thread may set handlers (a sweep's trials run elsewhere); returns the undo.
     """
@@ -358,7 +235,7 @@ def stop_on_signals(flag: StopFlag, say):
             "Ctrl-C again to abort at once")
         flag.request()
 
-    on_interrupt.graceful_stop = True  # what ray_adapter.torch_trainer keeps in front of Ray Train's handler
+    on_interrupt.graceful_stop = True  # what train_torch.torch_trainer keeps in front of Ray Train's handler
     previous = {sig: signal.signal(sig, handler) for sig, handler in ((signal.SIGTERM, on_term),
                                                                         (signal.SIGINT, on_interrupt))}
 
@@ -406,66 +283,6 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
         if kind in ("node_lost", "preemption"):
             settle_cluster_view(error, say)
         previous = kind
-
-
-def node_liveness() -> dict[str, bool]:
-    """Every node Ray knows, alive or dead (its list keeps dead nodes for a while)."""
-    return {n["NodeID"]: bool(n["Alive"]) for n in ray.nodes()}
-
-
-def alive_node_ids() -> frozenset[str]:
-    return frozenset(n for n, alive in node_liveness().items() if alive)
-
-
-class NodeWatch:
-    """While an elastic job runs: when Ray's set of live nodes changes, have Ray Train's planner
-    read it at once (cluster.ray_adapter), so a node that joins is used within
-    ``distributed.resize_check_interval_s`` plus start-up, not after the planner's own 20 s refresh.
-    """
-
-    def __init__(self, interval_s: float, enabled: bool = True):
-        self.interval_s, self.enabled = max(0.5, min(interval_s, 5.0)), enabled
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _run(self) -> None:
-        seen = alive_node_ids()
-        while not self._stop.wait(self.interval_s):
-            try:
-                now = alive_node_ids()
-                if now != seen:
-                    ray_adapter.refresh_cluster_view()
-                    seen = now
-            except Exception as exc:  # boundary: a missed refresh only delays a resize; try again next tick
-                print(f"[etrain] note: node watch: {type(exc).__name__}: {exc}", flush=True)
-
-    def __enter__(self) -> "NodeWatch":
-        if self.enabled:
-            self._thread = threading.Thread(target=self._run, name="etrain-node-watch", daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.interval_s + 1)
-
-
-def settle_cluster_view(error: BaseException, say, gone_timeout_s: float = 60.0) -> None:
-    """Before the next attempt is planned: wait (bounded) until preempted nodes have left Ray's
-    node list, then make Ray Train's planner read the list now. Otherwise the restart is planned
-    for the drained node and waits out fault_tolerance.worker_start_timeout_s (bench/preemption.py)."""
-    from ray.train.v2.api.exceptions import PreemptionError
-
-    leaving = set(error.preemption_info.preempted_node_ids) if isinstance(error, PreemptionError) else set()
-    deadline = time.monotonic() + gone_timeout_s
-    while leaving and time.monotonic() < deadline and any(n["Alive"] and n["NodeID"] in leaving for n in ray.nodes()):
-        time.sleep(0.2)
-    try:
-        ray_adapter.refresh_cluster_view()
-    except Exception as exc:  # boundary: a stale plan only costs time; say so and go on
-        say(f"[etrain] note: could not refresh Ray Train's view of the nodes ({type(exc).__name__}: {exc}); "
-            "the restart may wait out fault_tolerance.worker_start_timeout_s")
 
 
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"

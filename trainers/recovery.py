@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from cluster.ray_adapter import kv_del, kv_exists, kv_get, kv_put
+from cluster.ray_adapter.kv import kv_del, kv_exists, kv_get, kv_put
 
 FailureKind = Literal["preemption", "node_lost", "peer_lost", "user_error", "fatal"]
 INTERRUPTIONS_FILE = "interruptions.json"
@@ -51,7 +51,7 @@ def classify_failure(error: BaseException) -> FailureKind:
     from ray.exceptions import RayActorError
     from ray.train.v2.api.exceptions import PreemptionError, WorkerGroupError
 
-    from cluster.ray_adapter import worker_death_errors
+    from cluster.ray_adapter.train_torch import worker_death_errors
 
     if isinstance(error, PreemptionError):
         return "preemption"

@@ -29,7 +29,7 @@ import ray.train.torch
 import torch
 import torch.distributed as dist
 
-from cluster.ray_adapter import BATCH_EVERY_THREAD, batch_schedule_worker, on_resize_request
+from cluster.ray_adapter.train_worker import BATCH_EVERY_THREAD, batch_schedule_worker, on_resize_request
 from cluster.storage import open_root
 from trainers import checkpoint_files as ckpt
 from trainers.checkpoint_writer import Checkpointer

@@ -73,7 +73,7 @@ class Pulse:
 
 class ResizeRequest:
     """Ray Train's word, on a worker, that it is about to restart the group to resize it
-    (cluster.ray_adapter.CheckpointBeforeResize, in Ray's actor thread beside the training
+    (cluster.ray_adapter.train_callbacks.CheckpointBeforeResize, in Ray's actor thread beside the training
     thread). The loop reads ``asked`` at its next sync step, where every rank agrees on it through
     the all-reduce as on a stop, checkpoints, and says at which step (:meth:`saved`)."""
 
@@ -112,7 +112,7 @@ def wait_out_resize(rank: int, step: int, grace_s: float = RESIZE_GRACE_S) -> No
 
 def ray_preemption_noticed() -> bool:
     """This worker's own view of a spot notice: a local read, no Ray call (the agreement rides the all-reduce)."""
-    from cluster.ray_adapter import local_preemption_info
+    from cluster.ray_adapter.train_worker import local_preemption_info
 
     return local_preemption_info() is not None
 

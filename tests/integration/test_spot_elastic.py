@@ -14,7 +14,7 @@ import pytest
 from slowpkg import blobs_parquet
 from waiting import wait_for
 
-from cluster.ray_adapter import kv_get
+from cluster.ray_adapter.kv import kv_get
 from cluster.rehearsal.imds import FakeIMDS
 from cluster.spot import IMDS, drain_node, watch
 from cluster.storage import open_root

@@ -18,7 +18,7 @@ import torch
 
 from cluster.leftovers import writing_into
 from cluster.storage import open_root
-from trainers import checkpoint_files as ckpt
+from trainers import checkpoint as ckpt
 from trainers.config.loading import validate
 from trainers.launch import EXIT_FAILED, EXIT_OK, EXIT_STOPPED, run_job
 
@@ -133,7 +133,7 @@ def test_two_workers_learn_digits_and_stay_in_sync(unbroken):
     assert kept[-2:] == ["checkpoint_000000036", "checkpoint_000000040"] and len(kept) <= 3, kept
     state = final_state(summary)
     assert state["metrics"]["params_in_sync"] is True
-    # On CPU every thread of a rank runs SCHED_BATCH (cluster/ray_adapter.py: batch_schedule_worker),
+    # On CPU every thread of a rank runs SCHED_BATCH (cluster/ray_adapter/train_worker.py: batch_schedule_worker),
     # which only works while Ray Train runs the loop beside Ray's main thread, not on it.
     assert state["scheduling"] == "SCHED_BATCH, every thread"
     assert summary["world_size"] == 2 and summary["final_step"] == 40
@@ -141,7 +141,7 @@ def test_two_workers_learn_digits_and_stay_in_sync(unbroken):
 
 
 def test_a_run_starts_no_preemption_watcher_actor(unbroken, ray_local):
-    """Ray Train's preemption watcher runs in the controller (cluster/ray_adapter.py), not as an
+    """Ray Train's preemption watcher runs in the controller (cluster/ray_adapter/train_callbacks.py), not as an
     actor of its own at every start: none of this Ray's actors, dead or alive, is one."""
     from ray._private.worker import get_dashboard_url
     from ray.util.state import list_actors
@@ -164,7 +164,7 @@ def test_two_workers_learn_text_with_dynamic_batching(ray_local, tmp_path):
     code, summary = run_job(spec)
     assert code == EXIT_OK, summary
     from trainers.data import StepMicroBatches
-    from trainers.rules import plan_for
+    from trainers.trainer import plan_for
     from trainers.workloads import resolve
 
     workload = resolve(spec)
@@ -312,7 +312,7 @@ def test_user_factories_and_user_loop(flaky, tmp_path):
     assert code == EXIT_OK, summary
     assert Path(summary["checkpoint_uri"], "done.txt").read_text() == "own-loop"
     # Ray starts its workers at nice 15, where every wake-up of its daemons preempts a rank and
-    # stalls DDP's lockstep (trainers.launch.WORKER_ENV): training workers run at nice 0.
+    # stalls DDP's lockstep (cluster.ray_adapter.train_worker.WORKER_ENV): training workers run at nice 0.
     assert Path(summary["checkpoint_uri"], "nice.txt").read_text() == "0"
 
 
@@ -356,7 +356,7 @@ def test_a_script_importing_only_the_adapter_starts_its_local_ray_on_loopback(tm
     ray_tmp = tempfile.mkdtemp(prefix="etr-")  # short: Ray's socket paths live under it (108 bytes at most)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
     env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmp)
-    script = ("import ray\nfrom cluster.ray_adapter import init_local_ray\n"
+    script = ("import ray\nfrom cluster.ray_adapter.local import init_local_ray\n"
               "print('address', init_local_ray(num_cpus=1, include_dashboard=False, configure_logging=False))\n"
               "print('node', ray.util.get_node_ip_address())\n"
               "import time, psutil\ntime.sleep(3)\n"  # prestarted workers are up within a second of the start
@@ -471,9 +471,10 @@ def test_out_of_memory_at_micro_batch_one_names_model_size_and_memory(ray_local,
 
 
 def test_a_controller_killed_while_its_driver_lives_leaves_no_placement_group(ray_local, tmp_path):
-    """Ray Train's placement-group cleaner actor is replaced (cluster/ray_adapter.PlacementGroupRecorder):
-    a controller that dies while its driver lives (killed, out of memory) must still not leave its
-    workers' CPUs reserved, or the driver's next attempt waits for them until its start timeout."""
+    """Ray Train's placement-group cleaner actor is replaced (cluster/ray_adapter/train_callbacks.py:
+    PlacementGroupRecorder): a controller that dies while its driver lives (killed, out of memory) must
+    still not leave its workers' CPUs reserved, or the driver's next attempt waits for them until its
+    start timeout."""
     import signal
     import threading
 
@@ -482,7 +483,7 @@ def test_a_controller_killed_while_its_driver_lives_leaves_no_placement_group(ra
     from ray.util.state import list_actors
     from waiting import wait_for
 
-    from cluster import ray_adapter
+    from cluster.ray_adapter import train_torch
 
     def live_groups() -> set[str]:
         return {pg_id for pg_id, pg in placement_group_table().items() if pg["state"] != "REMOVED"}
@@ -495,7 +496,7 @@ def test_a_controller_killed_while_its_driver_lives_leaves_no_placement_group(ra
         time.sleep(600)
 
     before, marker, seen = live_groups(), tmp_path / "started", {}
-    trainer = ray_adapter.torch_trainer(
+    trainer = train_torch.torch_trainer(
         sleeping_loop, train_loop_config={"marker": str(marker)}, scaling_config=ScalingConfig(num_workers=2),
         run_config=RunConfig(storage_path=str(tmp_path / "ray"), name="killed-controller"))
 
@@ -512,5 +513,5 @@ def test_a_controller_killed_while_its_driver_lives_leaves_no_placement_group(ra
         trainer.fit()
     killer.join()
     assert len(seen["during"]) == 1, "the run held one placement group for its workers"
-    assert not seen["torch in the controller"], "the controller imported torch (~1.6 CPU-s): see ray_adapter.torch_config"
+    assert not seen["torch in the controller"], "the controller imported torch (~1.6 CPU-s): see train_torch.torch_config"
     wait_for(lambda: not (live_groups() - before), 10, f"the dead controller's placement group {seen['during']} to go")

@@ -40,7 +40,7 @@ def test_launchable_gpus(config, expected):
 
 
 def test_capacity_reads_the_head_bootstrap_config(tmp_path, monkeypatch):
-    monkeypatch.setattr("cluster.ray_adapter.reported_max_resources", lambda: None)
+    monkeypatch.setattr("cluster.ray_adapter.cluster_view.reported_max_resources", lambda: None)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv(CONFIG_ENV, raising=False)
     assert gpu_capacity(0) == GpuCapacity(0, 0.0, "none")
@@ -52,7 +52,7 @@ def test_capacity_reads_the_head_bootstrap_config(tmp_path, monkeypatch):
 
 
 def test_capacity_prefers_what_the_autoscaler_reported(monkeypatch, tmp_path):
-    monkeypatch.setattr("cluster.ray_adapter.reported_max_resources", lambda: {"GPU": 16.0, "CPU": 64.0})
+    monkeypatch.setattr("cluster.ray_adapter.cluster_view.reported_max_resources", lambda: {"GPU": 16.0, "CPU": 64.0})
     monkeypatch.setenv("HOME", str(tmp_path))
     cap = gpu_capacity(1)
     assert (cap.now, cap.launchable, cap.source) == (1, 16.0, "GCS cluster config")
@@ -60,7 +60,7 @@ def test_capacity_prefers_what_the_autoscaler_reported(monkeypatch, tmp_path):
 
 
 def test_a_broken_config_file_means_no_launchable_gpus(tmp_path, monkeypatch):
-    monkeypatch.setattr("cluster.ray_adapter.reported_max_resources", lambda: None)
+    monkeypatch.setattr("cluster.ray_adapter.cluster_view.reported_max_resources", lambda: None)
     bad = tmp_path / "cfg.yaml"
     bad.write_text("available_node_types: [unclosed")
     monkeypatch.setenv(CONFIG_ENV, str(bad))

@@ -78,12 +78,12 @@ def writing_checkpointer(monkeypatch, tmp_path, report, after=lambda step, jit: 
     import pyarrow.fs as pafs
     import ray.train
 
-    from cluster import ray_adapter
+    from cluster.ray_adapter import train_worker
     from cluster.storage import open_root
     from trainers.checkpoint_writer import Checkpointer
 
     monkeypatch.setattr(ray.train, "report", report)
-    monkeypatch.setattr(ray_adapter, "run_storage_filesystem", lambda: pafs.LocalFileSystem())
+    monkeypatch.setattr(train_worker, "run_storage_filesystem", lambda: pafs.LocalFileSystem())
     root = open_root(str(tmp_path))
     spec = validate({"name": "writes", "checkpoint": {"interval": 5, "storage_root": str(tmp_path), **checkpoint}})
     return Checkpointer(spec, root, root.path("writes", "checkpoints"), 0, 1, torch.device("cpu"), after,

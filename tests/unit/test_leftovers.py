@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from cluster import ray_adapter
 from cluster.leftovers import stop_leftovers, writing_into
+from cluster.ray_adapter.local import shutdown_local_ray
 
 HANG = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
 # Up, then exits once its stdin closes: it ends within the grace period whenever the test says so.
@@ -131,10 +131,10 @@ def test_only_a_ray_this_process_started_is_cleaned_up_after(tmp_path, monkeypat
         wait_for_output(log)
         node = SimpleNamespace(head=False, get_session_dir_path=lambda: str(folder))
         monkeypatch.setattr(ray_worker, "_global_node", node)
-        assert ray_adapter.shutdown_local_ray(grace_s=0.5) == []
+        assert shutdown_local_ray(grace_s=0.5) == []
         assert proc.poll() is None, "a worker of a joined Ray is not touched"
         node.head = True  # started here: a local start's driver is its head node
-        assert ray_adapter.shutdown_local_ray(grace_s=0.5) == [proc.pid]
+        assert shutdown_local_ray(grace_s=0.5) == [proc.pid]
         assert proc.wait(10) == -9
     finally:
         proc.kill()

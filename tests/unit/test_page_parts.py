@@ -242,10 +242,10 @@ def test_jobs_get_is_a_field_a_line_within_80_columns():
 
 
 def test_verbose_console_shows_only_the_autoscalers_events(monkeypatch):
-    import cluster.ray_adapter
+    import cluster.ray_adapter.logs
 
     # Ray's own filter needs a connected Ray; here a stand-in that keeps what it would keep.
-    monkeypatch.setattr(cluster.ray_adapter, "autoscaler_events", lambda lines: [l for l in lines if "Adding" in l])
+    monkeypatch.setattr(cluster.ray_adapter.logs, "autoscaler_events", lambda lines: [l for l in lines if "Adding" in l])
     out = io.StringIO()
     with Console(out, live=False, verbose=True) as console:
         console.worker_lines({"lines": ["======== Autoscaler status: 2026-11-30 ========", "Node status",

@@ -98,30 +98,6 @@ def test_the_cost_record_bills_the_lost_work_and_the_recovery():
     assert hours[spot] * 3600 == pytest.approx(10 + 2 * 75 + 60) and hours[ondemand] * 3600 == pytest.approx(60)
 
 
-def test_the_node_watch_refreshes_the_planner_when_nodes_come_or_go(monkeypatch):
-    import time
-
-    from cluster import ray_adapter
-    from trainers import launch
-
-    nodes = [{"NodeID": "a", "Alive": True}]
-    refreshed = []
-    monkeypatch.setattr(launch.ray, "nodes", lambda: list(nodes))
-    monkeypatch.setattr(ray_adapter, "refresh_cluster_view", lambda: refreshed.append(len(nodes)))
-    with launch.NodeWatch(0.5):
-        time.sleep(1.2)
-        assert refreshed == [], "no change, no refresh"
-        nodes.append({"NodeID": "b", "Alive": True})  # a spot node joins
-        deadline = time.time() + 10
-        while not refreshed and time.time() < deadline:
-            time.sleep(0.1)
-        assert refreshed == [2]
-    with launch.NodeWatch(0.5, enabled=False):
-        nodes.pop()
-        time.sleep(1.2)
-    assert refreshed == [2], "a fixed-size job is never resized: nothing to watch"
-
-
 def test_a_lost_peer_is_a_node_loss_only_when_ray_reports_a_node_dead():
     answers = iter([False, False, True])
     assert settle_peer_lost(lambda: next(answers), wait_s=5, poll_s=0) == "node_lost"

@@ -24,7 +24,7 @@ def test_a_trial_records_its_placement_group_where_the_sweep_driver_finds_it(tmp
     (two runs of one job must not remove each other's)."""
     from ray.train import UserCallback
 
-    from cluster import ray_adapter
+    from cluster.ray_adapter import train_callbacks
     from cluster.storage import open_root
     from trainers import launch
     from trainers.config.loading import validate
@@ -37,21 +37,21 @@ def test_a_trial_records_its_placement_group_where_the_sweep_driver_finds_it(tmp
     runtime = launch.Runtime(use_gpu=False, backend="gloo", mixed_precision="no")
     trial = launch.build_trainer(spec, job_home(spec), runtime, "", None, callbacks=(UserCallback(),))
     jobs = open_root(jobs_uri)
-    assert trial.pg_key == ray_adapter.placement_group_record(trials.trial_job_key(jobs, "abc_00001"))
+    assert trial.pg_key == train_callbacks.placement_group_record(trials.trial_job_key(jobs, "abc_00001"))
     assert trials.trial_job_key(jobs, "abc_00002") != trials.trial_job_key(jobs, "abc_00001")
     plain = [launch.build_trainer(spec, job_home(spec), runtime, "", None).pg_key for _ in range(2)]
     assert plain[0] != plain[1] and trial.pg_key not in plain
 
 
 def test_a_trial_placement_group_that_cannot_be_removed_is_said_and_the_sweep_goes_on(tmp_path, monkeypatch, caplog):
-    from cluster import ray_adapter
+    from cluster.ray_adapter import train_callbacks
     from cluster.storage import open_root
     from trainers.sweep import trials
 
     def failing(key: bytes) -> None:
         raise RuntimeError("GCS unreachable")
 
-    monkeypatch.setattr(ray_adapter, "remove_recorded_placement_group", failing)
+    monkeypatch.setattr(train_callbacks, "remove_recorded_placement_group", failing)
     with caplog.at_level(logging.WARNING, logger="trainers.sweep.trials"):
         trials.remove_trial_placement_group(open_root(str(tmp_path / "jobs")), "abc_00001")
     assert caplog.messages == ["[etrain] note: could not remove trial abc_00001's placement group (RuntimeError: GCS unreachable)"]

@@ -139,7 +139,7 @@ def domain_problems(key: str, domain: Any, search: str) -> list[str]:
 def tune_expression_at(value: Any, path: str) -> str | None:
     """Where ``value`` holds a mapping keyed like a Ray Tune expression (``eval``, ``grid_search``),
     as a problem line, or None. Walked without recursion, at any depth."""
-    from cluster.ray_adapter import TUNE_EXPRESSION_KEYS
+    from cluster.ray_adapter.tune import TUNE_EXPRESSION_KEYS
 
     stack = [(value, path)]
     while stack:

@@ -78,11 +78,12 @@ def remove_trial_placement_group(jobs: StorageRoot, trial_id: str) -> None:
     Tune stops a trial (its scheduler's early stop, an error) by ending the trial's actor: the
     training's controller, a child of it, goes too, but the workers' placement group belongs to the
     job and stays, holding their CPUs, until later trials could not start (bench/sweep.py hung
-    so). The trial records it under its job's key (cluster.ray_adapter.placement_group_record)."""
-    from cluster import ray_adapter
+    so). The trial records it under its job's key (cluster.ray_adapter.train_callbacks.placement_group_record)."""
+    from cluster.ray_adapter import train_callbacks
 
     try:
-        ray_adapter.remove_recorded_placement_group(ray_adapter.placement_group_record(trial_job_key(jobs, trial_id)))
+        train_callbacks.remove_recorded_placement_group(
+            train_callbacks.placement_group_record(trial_job_key(jobs, trial_id)))
     except Exception as exc:  # boundary: a leftover only costs capacity; the sweep goes on
         log.warning("[etrain] note: could not remove trial %s's placement group (%s: %s)", trial_id,
                     type(exc).__name__, exc)
@@ -101,7 +102,7 @@ def trial_cleanup_callback(jobs: StorageRoot):
     import ray
     from ray import tune
 
-    from cluster import ray_adapter
+    from cluster.ray_adapter.tune import actor_ready, trial_actor
 
     class RemoveEndedTrialsPlacementGroups(tune.Callback):
         POLL_INTERVAL_S = 1.0
@@ -117,7 +118,7 @@ def trial_cleanup_callback(jobs: StorageRoot):
             self._ended(trial)
 
         def _ended(self, trial) -> None:
-            actor = ray_adapter.trial_actor(trial)
+            actor = trial_actor(trial)
             if actor is None:
                 remove_trial_placement_group(jobs, trial.trial_id)
             else:
@@ -130,7 +131,7 @@ def trial_cleanup_callback(jobs: StorageRoot):
             for trial_id, entry in list(self.ending.items()):
                 actor, call = entry
                 if call is None:
-                    entry[1] = actor.__ray_ready__.remote()
+                    entry[1] = actor_ready(actor)
                     continue
                 if not ray.wait([call], timeout=0)[0]:
                     continue

@@ -100,10 +100,12 @@ def run_sweep(plan: SweepPlan, resume: bool = False) -> tuple[int, dict]:
     import ray
     from ray import tune
 
-    from trainers.launch import EXIT_FAILED, EXIT_OK, ensure_ray, preflight, release_ray
+    from cluster.ray_adapter.tune import checkpoint_experiment_every
+    from cluster.ray_session import ensure_ray, release_ray
+    from trainers.launch import EXIT_FAILED, EXIT_OK, preflight
     from trainers.workloads.datasets import prepare_data
 
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")  # a killed driver loses at most 1 s of trial states
+    checkpoint_experiment_every(1)  # a killed driver loses at most 1 s of trial states
     started = time.time()
     root = preflight(plan.spec)
     sweep_dir = f"sweeps/{plan.name}"

@@ -1,18 +1,27 @@
-"""Which Ray `etrain run` joins: RAY_ADDRESS, a live `ray start` on record, or a new local one.
+"""cluster.ray_session: which Ray a command joins, the CPUs a local one gets, and the node watch.
 
+Which Ray `etrain run` joins: RAY_ADDRESS, a live `ray start` on record, or a new local one.
 A record left by a Ray that was killed (no `ray stop`) is removed: Ray's own "auto" lookups in
 the local Ray started instead would otherwise query the dead address (Ray Train's
 placement-group cleaner waited 12 s at the end of every run, and printed a traceback).
+
+A local Ray is sized by the CPUs this process may use, not by the machine's.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from cluster.ray_adapter import address_record
-from trainers.launch import is_local_host, running_cluster_address, split_address
+from cluster.ray_adapter.local import address_record
+from cluster.ray_session import is_local_host, running_cluster_address, split_address
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -85,3 +94,38 @@ def test_addresses_are_split_for_v4_v6_and_names(address, parsed):
                                          ("192.0.2.10", False), ("head.example", False)])
 def test_only_this_machines_addresses_are_local(host, local):
     assert is_local_host(host) is local
+
+
+def test_a_process_held_to_one_cpu_sizes_its_local_ray_by_that_cpu():
+    """Under taskset (or a container's cpuset) os.cpu_count() still says the machine's count."""
+    assert len(os.sched_getaffinity(0)) >= 2, "this test needs a machine with two CPUs to hold a process to one"
+    cpu = min(os.sched_getaffinity(0))
+    out = subprocess.run(["taskset", "--cpu-list", str(cpu), sys.executable, "-c",
+                          "import os; from cluster.ray_session import usable_cpus; print(usable_cpus(), os.cpu_count())"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
+    usable, machine = map(int, out.stdout.split())
+    assert (usable, machine) == (1, os.cpu_count())
+
+
+def test_the_node_watch_refreshes_the_planner_when_nodes_come_or_go(monkeypatch):
+    import time
+
+    from cluster import ray_session
+    from cluster.ray_adapter import cluster_view
+
+    nodes = [{"NodeID": "a", "Alive": True}]
+    refreshed = []
+    monkeypatch.setattr(ray_session.ray, "nodes", lambda: list(nodes))
+    monkeypatch.setattr(cluster_view, "refresh_cluster_view", lambda: refreshed.append(len(nodes)))
+    with ray_session.NodeWatch(0.5):
+        time.sleep(1.2)
+        assert refreshed == [], "no change, no refresh"
+        nodes.append({"NodeID": "b", "Alive": True})  # a spot node joins
+        deadline = time.time() + 10
+        while not refreshed and time.time() < deadline:
+            time.sleep(0.1)
+        assert refreshed == [2]
+    with ray_session.NodeWatch(0.5, enabled=False):
+        nodes.pop()
+        time.sleep(1.2)
+    assert refreshed == [2], "a fixed-size job is never resized: nothing to watch"
