@@ -48,6 +48,7 @@ def main() -> None:
     from ray.cluster_utils import Cluster
     from waiting import wait_for
 
+    from cluster.log_lines import send_to
     from cluster.ray_adapter.kv import kv_get
     from cluster.rehearsal.imds import FakeIMDS
     from cluster.spot import IMDS, drain_node, watch
@@ -76,8 +77,8 @@ def main() -> None:
         key = f"{job_home(spec).key}/heartbeat".encode()
         result: dict = {}
         submitted = time.time()
-        say = lambda m: print(m, file=sys.stderr)  # noqa: E731
-        job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec, say=say))),
+        send_to(sys.stderr)  # the job's lines beside the figures, which go to stdout
+        job = threading.Thread(target=lambda: result.update(zip(("code", "summary"), run_job(spec))),
                                daemon=True)
         job.start()
         first_step = json.loads(wait_for(lambda: kv_get(key), 300, "the first step"))["time"]
@@ -86,7 +87,7 @@ def main() -> None:
         when = (datetime.now(timezone.utc) + timedelta(seconds=6)).strftime("%Y-%m-%dT%H:%M:%SZ")
         imds.documents["/latest/meta-data/spot/instance-action"] = json.dumps({"action": "terminate", "time": when})
         watch(IMDS(imds.url), lambda n: drain_node(cluster.address, nodes[1].node_id, n).returncode == 0,
-              interval_s=0.2, max_polls=20, say=lambda m: None)
+              interval_s=0.2, max_polls=20)
         wait_for(lambda: (json.loads(kv_get(key) or b"{}").get("cause")), 60, "the JIT checkpoint")
         removed_notice = time.time()
         cluster.remove_node(nodes[1], allow_graceful=False)

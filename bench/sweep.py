@@ -28,7 +28,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep every ad
 
 
 def run(scheduler: str, trials: int, steps: int, root: str, concurrency: int) -> dict:
-    from trainers.sweep.cli import sweep_log_shown
+    from cluster.log_lines import lines_to
     from trainers.sweep.spec import load_sweep
     from trainers.sweep.tune_run import run_sweep
 
@@ -38,7 +38,7 @@ def run(scheduler: str, trials: int, steps: int, root: str, concurrency: int) ->
     sweep = plan.sweep.model_copy(update={"scheduler": scheduler, "num_samples": trials,
                                           "max_concurrent_trials": concurrency})
     plan = dataclasses.replace(plan, name=f"bench-{scheduler}", sweep=sweep)
-    with sweep_log_shown(sys.stderr):  # stdout holds the figures only
+    with lines_to(lambda line: print(line, file=sys.stderr, flush=True)):  # stdout holds the figures only
         code, report = run_sweep(plan)
     if code != 0:
         raise SystemExit(f"{scheduler} sweep failed: {[t['error'] for t in report['trials'] if t['error']]}")

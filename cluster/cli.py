@@ -27,11 +27,10 @@ def cmd_storage_init(args: argparse.Namespace) -> int:
 
 
 def cmd_spot_watch(args: argparse.Namespace) -> int:
+    from cluster.log_lines import send_to
     from cluster.spot import IMDS, OwnNodeError, drain_node, find_own_node, watch
 
-    def say(message: str) -> None:
-        print(message, flush=True)
-
+    send_to(sys.stdout)  # the watcher's lines ([spot-watch] ...), for as long as this command runs
     # One watcher per node: the worker start commands run again on every `ray up`.
     lock = open(os.path.join(tempfile.gettempdir(), "etrain-spot-watch.lock"), "w")
     try:
@@ -40,11 +39,11 @@ def cmd_spot_watch(args: argparse.Namespace) -> int:
         print("[spot-watch] another spot-watch runs on this node; leaving it be", file=sys.stderr)
         return 0
     try:
-        node = [args.node_id or find_own_node(args.address, say=say)]
+        node = [args.node_id or find_own_node(args.address)]
     except OwnNodeError as exc:
         print(f"[spot-watch] error: {exc}", file=sys.stderr)
         return 2
-    say(f"[spot-watch] this node is {node[0]}")
+    print(f"[spot-watch] this node is {node[0]}", flush=True)
 
     def drain(notice) -> bool:
         proc = drain_node(args.address, node[0], notice)
@@ -52,15 +51,14 @@ def cmd_spot_watch(args: argparse.Namespace) -> int:
             print(f"[spot-watch] ray drain-node failed: {proc.stderr.strip()[-500:]}", file=sys.stderr)
             if not args.node_id:  # Ray restarted on this node since: its id is new
                 try:
-                    node[0] = find_own_node(args.address, timeout_s=10, say=say)
+                    node[0] = find_own_node(args.address, timeout_s=10)
                 except OwnNodeError as exc:
                     print(f"[spot-watch] {exc}", file=sys.stderr)
         return proc.returncode == 0
 
     print(f"[spot-watch] watching {args.imds_url} every {args.interval_s}s", flush=True)
     notice = watch(IMDS(args.imds_url), drain, interval_s=args.interval_s, on_rebalance=args.on_rebalance,
-                   rebalance_deadline_s=args.rebalance_deadline_s, sigterm_deadline_s=args.sigterm_deadline_s,
-                   say=say)
+                   rebalance_deadline_s=args.rebalance_deadline_s, sigterm_deadline_s=args.sigterm_deadline_s)
     return 0 if notice else 1
 
 

@@ -173,7 +173,7 @@ class NodeWatch:
             self._thread.join(timeout=self.interval_s + 1)
 
 
-def settle_cluster_view(error: BaseException, say, gone_timeout_s: float = 60.0) -> None:
+def settle_cluster_view(error: BaseException, gone_timeout_s: float = 60.0) -> None:
     """Before the next attempt is planned: wait (bounded) until preempted nodes have left Ray's
     node list, then make Ray Train's planner read the list now. Otherwise the restart is planned
     for the drained node and waits out fault_tolerance.worker_start_timeout_s (bench/preemption.py)."""
@@ -186,5 +186,5 @@ def settle_cluster_view(error: BaseException, say, gone_timeout_s: float = 60.0)
     try:
         cluster_view.refresh_cluster_view()
     except Exception as exc:  # boundary: a stale plan only costs time; say so and go on
-        say(f"[etrain] note: could not refresh Ray Train's view of the nodes ({type(exc).__name__}: {exc}); "
-            "the restart may wait out fault_tolerance.worker_start_timeout_s")
+        log.warning(f"could not refresh Ray Train's view of the nodes ({type(exc).__name__}: {exc}); "
+                    "the restart may wait out fault_tolerance.worker_start_timeout_s")

@@ -15,6 +15,7 @@ a local HTTP server: the only fake is the cloud's endpoint.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -22,9 +23,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from collections.abc import Callable
+
+log = logging.getLogger(__name__)
 
 AWS_IMDS_URL = "http://169.254.169.254"
 TOKEN_TTL_S = 21600
@@ -127,7 +130,7 @@ def pick_own_node(nodes: list[dict], local_ip: str, attached_node_id: str | None
     raise OwnNodeError(f"{len(here)} Ray nodes share this machine's address {local_ip}: pass --node-id")
 
 
-def find_own_node(address: str | None, timeout_s: float = 60.0, say=print) -> str:
+def find_own_node(address: str | None, timeout_s: float = 60.0) -> str:
     """This machine's node id, asked of the cluster at ``address`` (retried while Ray starts).
 
     Connects as a short-lived driver (token auth as the environment says), reads the node
@@ -151,7 +154,7 @@ def find_own_node(address: str | None, timeout_s: float = 60.0, say=print) -> st
         except (ConnectionError, RuntimeError, ray.exceptions.RayError) as exc:  # starting, wrong address or token
             if time.monotonic() > deadline:
                 raise OwnNodeError(f"cannot reach the Ray cluster at {address or 'auto'}: {exc}") from exc
-            say(f"[spot-watch] Ray not reachable yet ({str(exc).splitlines()[0][:160]}); retrying")
+            log.info(f"Ray not reachable yet ({str(exc).splitlines()[0][:160]}); retrying")
         time.sleep(2.0)
 
 
@@ -169,7 +172,7 @@ def drain_node(address: str | None, node_id: str | None, notice: Notice) -> subp
 
 def watch(imds: IMDS, drain: Callable[[Notice], bool], interval_s: float = 5.0, on_rebalance: str = "drain",
           rebalance_deadline_s: int = SPOT_NOTICE_S, sigterm_deadline_s: int = 25, max_polls: int | None = None,
-          clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc), say=print) -> Notice | None:
+          clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> Notice | None:
     """Poll until a notice is drained (returned) or ``max_polls`` run out; SIGTERM drains too."""
     stop = threading.Event()
     sigterm = threading.Event()
@@ -178,14 +181,14 @@ def watch(imds: IMDS, drain: Callable[[Notice], bool], interval_s: float = 5.0, 
         previous = signal.signal(signal.SIGTERM, lambda *_: (sigterm.set(), stop.set()))
     try:
         return _poll_loop(imds, drain, interval_s, on_rebalance, rebalance_deadline_s, sigterm_deadline_s,
-                          max_polls, clock, say, stop, sigterm)
+                          max_polls, clock, stop, sigterm)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
 def _poll_loop(imds, drain, interval_s, on_rebalance, rebalance_deadline_s, sigterm_deadline_s, max_polls,
-               clock, say, stop: threading.Event, sigterm: threading.Event) -> Notice | None:
+               clock, stop: threading.Event, sigterm: threading.Event) -> Notice | None:
     polls = 0
     while max_polls is None or polls < max_polls:
         polls += 1
@@ -195,12 +198,12 @@ def _poll_loop(imds, drain, interval_s, on_rebalance, rebalance_deadline_s, sigt
             try:
                 notice = decide(imds.poll(clock()), on_rebalance, rebalance_deadline_s)
             except (OSError, ConnectionError) as exc:  # metadata service hiccup: log, poll again
-                say(f"[spot-watch] metadata service unreachable ({exc}); retrying in {interval_s}s")
+                log.info(f"metadata service unreachable ({exc}); retrying in {interval_s}s")
                 notice = None
         if notice is not None:
-            say(f"[spot-watch] {notice.kind}: {notice.detail}; draining this node, deadline {notice.deadline_s}s")
+            log.info(f"{notice.kind}: {notice.detail}; draining this node, deadline {notice.deadline_s}s")
             if drain(notice):
                 return notice
-            say("[spot-watch] drain failed; will retry")
+            log.info("drain failed; will retry")
         stop.wait(interval_s)
     return None

@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
+log = logging.getLogger(__name__)
+
 DEFAULT_ROOT_ENV = "ETRAIN_STORAGE_ROOT"
 SUPPORTED_SCHEMES = ("", "file", "s3")
 
@@ -137,7 +139,7 @@ def write_whole(fs: pafs.FileSystem, target: str, data: bytes) -> None:
 DELETE_BATCH = 1000  # keys in one S3 DeleteObjects request, S3's own limit
 
 
-def delete_trees(fs: pafs.FileSystem, folders: list[str], listed: list[pafs.FileInfo], say=print) -> None:
+def delete_trees(fs: pafs.FileSystem, folders: list[str], listed: list[pafs.FileInfo]) -> None:
     """Delete each of ``folders`` with everything under it; ``listed``: a recursive listing that
     covers them (the caller has just made it). Raises OSError when they could not be deleted.
 
@@ -173,9 +175,9 @@ def delete_trees(fs: pafs.FileSystem, folders: list[str], listed: list[pafs.File
             raise OSError(f"{exc} (boto3's DeleteObjects: {failed})") from exc
         if not failed.transient:
             _BATCH_REFUSED.add(client)
-            say(f"[etrain] retention deletes old checkpoints through pyarrow from now on (about five requests a "
-                f"checkpoint): boto3's DeleteObjects was refused where pyarrow's delete worked ({failed}). Check "
-                "boto3's own settings on this node: AWS_PROFILE and ~/.aws/config, AWS_CA_BUNDLE, HTTPS_PROXY.")
+            log.info(f"retention deletes old checkpoints through pyarrow from now on (about five requests a "
+                     f"checkpoint): boto3's DeleteObjects was refused where pyarrow's delete worked ({failed}). Check "
+                     "boto3's own settings on this node: AWS_PROFILE and ~/.aws/config, AWS_CA_BUNDLE, HTTPS_PROXY.")
 
 
 class _BatchFailed(Exception):
@@ -216,8 +218,9 @@ TRANSIENT_S3_CODES = ("SlowDown", "RequestTimeout", "Throttling", "ThrottlingExc
 def transient_s3_error(exc: Exception) -> bool:
     """Whether a boto3 error may pass by itself (throttling, a 5xx, a dropped connection) past its
     retries. A certificate or proxy boto3 cannot get through does not: those are its own settings."""
-    from botocore.exceptions import ClientError, HTTPClientError, ProxyConnectionError, SSLError
+    from botocore.exceptions import ClientError
     from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import HTTPClientError, ProxyConnectionError, SSLError
 
     if isinstance(exc, ClientError):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)

@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 
+from cluster.log_lines import send_to
 from service.states import JobState
 from trainers.api import SpecError, apply_overrides, read_spec_file
 from trainers.cli import build_parser
@@ -442,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             add_client_args(a)
         p.set_defaults(fn=cmd_records, plural=plural)
     args = parser.parse_args(argv)
+    send_to(sys.stderr)  # our lines on stderr: stdout holds what a command answers (a summary, JSON)
     return args.fn(args)
 
 

@@ -3,8 +3,11 @@ front door's limits, and Serve's proxy ends any request past its timeout."""
 
 from __future__ import annotations
 
+import sys
+
 from ray import serve
 
+from cluster.log_lines import send_to
 from service.app import app, configure
 from service.auth import TokenEntry, Tokens
 from service.http_limits import HttpLimits
@@ -20,6 +23,7 @@ class JobService:
     """One replica holds the records in memory and writes them through to storage."""
 
     def __init__(self, settings: dict, tokens: list[dict], http: dict | None = None):
+        send_to(sys.stderr)  # the replica's own lines ([etrain-service] ...) beside Serve's, in its log
         self._stop = configure(ServiceSettings.model_validate(settings),
                                Tokens([TokenEntry.model_validate(t) for t in tokens]),
                                http=HttpLimits.model_validate(http or {}))

@@ -94,6 +94,33 @@ def unit_tests_start_no_ray(request):
             pytest.fail("this unit test started Ray: the unit tier must not (use a fake, or move it to integration)")
 
 
+@pytest.fixture(autouse=True)
+def our_loggers_restored():
+    """Our package loggers as they were: a test that runs a front end or a worker's logger set-up
+    (cluster.log_lines, trainers.worker_log) must not route the next test's lines."""
+    import logging
+
+    from cluster.log_lines import OUR_LOGGERS
+
+    loggers = [logging.getLogger(name) for name in (*OUR_LOGGERS, "etrain.worker")]
+    before = [(log, list(log.handlers), log.level, log.propagate) for log in loggers]
+    yield
+    for log, handlers, level, propagate in before:
+        log.handlers[:] = handlers
+        log.setLevel(level)
+        log.propagate = propagate
+
+
+@pytest.fixture
+def said():
+    """Our lines (cluster.log_lines' format), as a list, while the test runs: what a front end shows."""
+    from cluster.log_lines import lines_to
+
+    lines: list[str] = []
+    with lines_to(lines.append):
+        yield lines
+
+
 @pytest.fixture
 def storage(tmp_path: Path) -> Path:
     root = tmp_path / "storage"

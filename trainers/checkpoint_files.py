@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import posixpath
 import re
 import time
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 DIR_PATTERN = re.compile(r"^checkpoint_(\d+)$")
@@ -251,7 +254,7 @@ def kept(manifest: dict, metric: str | None, step: int) -> Kept:
 
 
 def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: str | None,
-          best_mode: str, say=print, known: dict[str, Kept] | None = None) -> list[int]:
+          best_mode: str, known: dict[str, Kept] | None = None) -> list[int]:
     """Apply :func:`retention_plan` to the run folder; return the steps deleted.
 
     One recursive listing a round (on S3 one request) gives every folder and its files' sizes;
@@ -281,7 +284,7 @@ def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: s
                 known[path] = entry
             entries.append(entry)
     except (RetentionReadError, OSError) as exc:
-        say(f"[etrain] retention skipped this round (nothing deleted): could not read {exc}")
+        log.info(f"retention skipped this round (nothing deleted): could not read {exc}")
         return []
     doomed = retention_plan(entries, keep_newest, best_mode if metric else None)
     if not doomed:
@@ -289,9 +292,9 @@ def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: s
     for step in doomed:
         known.pop(paths[step], None)  # read again if a failed delete leaves it
     try:
-        delete_trees(fs, [paths[step] for step in doomed], listed, say=say)
+        delete_trees(fs, [paths[step] for step in doomed], listed)
     except OSError as exc:
-        say(f"[etrain] retention could not delete {', '.join(dir_name(s) for s in doomed)} ({exc}); "
-            "the next round tries again")
+        log.info(f"retention could not delete {', '.join(dir_name(s) for s in doomed)} ({exc}); "
+                 "the next round tries again")
         return []
     return doomed

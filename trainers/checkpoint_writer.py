@@ -252,7 +252,7 @@ class Checkpointer:
         if self.rank == 0:  # pyarrow's listing and deletes use its shared I/O threads: not while idle
             c = self.spec.checkpoint
             ckpt.prune(self.root.fs, self.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode,
-                       say=worker_log().warning, known=self._retention_known)
+                       known=self._retention_known)
         writes()  # the observer's (its TensorBoard writer starts a thread)
 
 

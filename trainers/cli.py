@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from cluster.cli import add_cluster_commands
+from cluster.log_lines import send_to
 from trainers.config.errors import SpecError
 from trainers.config.loading import add_digest_arg, load_spec
 from trainers.worker_log import LOG_LEVEL_ENV
@@ -51,14 +52,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     except SpecError as exc:
         print(exc.render(f"job spec {args.spec}"), file=sys.stderr)
         return 2
+    from cluster.log_lines import lines_to
     from trainers.console import Console
     from trainers.launch import run_job
 
     verbose = args.verbose or args.log_level == "debug"
     os.environ[LOG_LEVEL_ENV] = args.log_level.upper()  # the workers' level: launch passes it on
     try:
-        with Console(sys.stderr if args.json else sys.stdout, verbose=verbose) as console:
-            code, summary = run_job(spec, stop_at_step=args.stop_at_step, say=console.say)
+        with Console(sys.stderr if args.json else sys.stdout, verbose=verbose) as console, lines_to(console.say):
+            code, summary = run_job(spec, stop_at_step=args.stop_at_step)
     except SpecError as exc:
         print(exc.render(f"job spec {args.spec}"), file=sys.stderr)
         return 2
@@ -96,6 +98,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser, _ = build_parser()
     args = parser.parse_args(argv)
+    send_to(sys.stderr)  # our lines on stderr: stdout holds what a command answers (a summary, JSON)
     return args.fn(args)
 
 

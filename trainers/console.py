@@ -19,7 +19,8 @@ import threading
 from dataclasses import dataclass
 from typing import TextIO
 
-OURS = "[etrain]"
+from cluster.log_lines import OURS
+
 ANSI = re.compile(r"\x1b(\[[0-9;?]*[ -/]*[@-~]|\][^\x07\x1b]*(\x07|\x1b\\)|[@-Z\\-_])")
 PROGRESS = re.compile(r"\[etrain\] step (?P<step>\d+)/(?P<target>\d+) \(\d+%\) loss (?P<loss>\S+) lr (?P<lr>\S+) "
                       r"(?P<samples>\d+) samples/s(?: (?P<tokens>\d+) tokens/s)? eta (?P<h>\d+):(?P<m>\d\d):(?P<s>\d\d)")
@@ -73,7 +74,8 @@ def ray_prefix(batch: dict) -> str:
 
 
 class Console:
-    """The driver's output while a job runs. Use as a context manager around ``run_job(say=console.say)``."""
+    """The driver's output while a job runs. Use as a context manager, with our lines sent to
+    :meth:`say` (``cluster.log_lines.lines_to(console.say)``) around ``run_job``."""
 
     HIDDEN_HINT = f"{OURS} (Ray's own log lines are hidden: --verbose shows them)"
 

@@ -11,6 +11,7 @@ An absolute ``checkpoint.path`` moves the job's folder there (see trainers.home)
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import signal
@@ -35,6 +36,8 @@ from trainers.home import JobHome, job_home
 from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV
 from trainers.workloads.datasets import prepare_data
+
+log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_STOPPED = 0, 1, 2, 3
 CONTROLLER_POLL_INTERVAL_S = 0.5
@@ -143,7 +146,7 @@ def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
     )
 
 
-def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks: tuple = (),
+def run_job(spec: JobSpec, stop_at_step: int | None = None, callbacks: tuple = (),
             data_uri: str | None = None) -> tuple[int, dict]:
     """Run a job to its target (or ``stop_at_step``); return (exit code, summary).
 
@@ -158,27 +161,27 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, say=print, callbacks
     if not callbacks and not spec.train_loop and stop_at_step is None and spec.training.max_steps:
         metrics, checkpoint_uri, _ = latest_metrics(home)
         if reached_max_steps(metrics, spec.training.max_steps):
-            say(f"[etrain] job {spec.name!r} is done: its newest verified checkpoint is at step {metrics['step']}, "
-                f"its target (raise training.max_steps to train on): {checkpoint_uri}")
+            log.info(f"job {spec.name!r} is done: its newest verified checkpoint is at step {metrics['step']}, "
+                     f"its target (raise training.max_steps to train on): {checkpoint_uri}")
             return EXIT_OK, write_summary(spec, home, metrics, checkpoint_uri, None, started, interruptions=[])
     started_ray = ensure_ray(spec.distributed.max_workers)
     run_id = uuid.uuid4().hex[:12]
     stop_flag = StopFlag(home.key, (home.root, home.job))
     stop_flag.clear()  # a stop asked of an earlier run must not stop this one
-    restore_signals = stop_on_signals(stop_flag, say)
+    restore_signals = stop_on_signals(stop_flag)
     try:
         capacity = gpu_capacity(ray.cluster_resources().get("GPU", 0))
         runtime = resolve_runtime(spec, capacity.now, capacity.launchable)
         for note in runtime.notes:
-            say(f"[etrain] note: {note}")
+            log.warning(f"{note}")
         data_uri = data_uri or prepare_data(spec, root)
         submitted_at = first_submitted_at(home, started)
-        say(f"[etrain] job {spec.name!r}: storage {home.uri}, checkpoints {home.run_uri}, "
-            f"data {data_uri or spec.data.factory}")
-        metrics, checkpoint_uri, error = run_attempts(spec, home, runtime, data_uri, stop_at_step, run_id, say,
+        log.info(f"job {spec.name!r}: storage {home.uri}, checkpoints {home.run_uri}, "
+                 f"data {data_uri or spec.data.factory}")
+        metrics, checkpoint_uri, error = run_attempts(spec, home, runtime, data_uri, stop_at_step, run_id,
                                                       callbacks, submitted_at)
         c = spec.checkpoint  # the loop prunes as it goes; the last async uploads land after it stops
-        ckpt.prune(home.root.fs, home.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode, say=say)
+        ckpt.prune(home.root.fs, home.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
         summary = write_summary(spec, home, metrics, checkpoint_uri, error, started,
                                 interruptions=[r for r in read_interruptions(home) if r.get("run_id") == run_id])
     finally:
@@ -216,7 +219,7 @@ def first_submitted_at(home: JobHome, now: float) -> float:
     return float(home.root.read_json(home.job, JOB_FILE)["submitted_at"])
 
 
-def stop_on_signals(flag: StopFlag, say):
+def stop_on_signals(flag: StopFlag):
     """SIGTERM (`ray job stop`, a process manager) and the first Ctrl-C become a graceful stop:
     checkpoint at the next log step, then exit 3. During the fit a second Ctrl-C is Ray Train's
     own: it aborts the run at once (train_torch.torch_trainer chains the two).
@@ -227,12 +230,12 @@ def stop_on_signals(flag: StopFlag, say):
         return lambda: None
 
     def on_term(signum, frame):
-        say("[etrain] SIGTERM: stopping at the next log step with a checkpoint (run again to resume)")
+        log.info("SIGTERM: stopping at the next log step with a checkpoint (run again to resume)")
         flag.request()
 
     def on_interrupt(signum, frame):
-        say("[etrain] Ctrl-C: stopping at the next log step with a checkpoint (run again to resume); "
-            "Ctrl-C again to abort at once")
+        log.info("Ctrl-C: stopping at the next log step with a checkpoint (run again to resume); "
+                 "Ctrl-C again to abort at once")
         flag.request()
 
     on_interrupt.graceful_stop = True  # what train_torch.torch_trainer keeps in front of Ray Train's handler
@@ -247,7 +250,7 @@ def stop_on_signals(flag: StopFlag, say):
 
 
 def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, stop_at_step: int | None,
-                 run_id: str, say, callbacks: tuple = (), submitted_at: float | None = None
+                 run_id: str, callbacks: tuple = (), submitted_at: float | None = None
                  ) -> tuple[dict, str | None, BaseException | None]:
     """The one place that carries out retry decisions: fit, classify a failure, retry or stop."""
     ft = spec.fault_tolerance
@@ -275,13 +278,13 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
         infra_failures += kind in ("node_lost", "preemption")
         first_line = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
         if not should_retry(kind, user_failures, ft.max_failures, infra_failures, ft.max_infrastructure_failures):
-            say(f"[etrain] giving up after a {kind.replace('_', ' ')}: {type(error).__name__}: {first_line} "
-                f"(user errors {user_failures}/{ft.max_failures}, infrastructure {infra_failures})")
-            return (*resume_point(home, say), error)
-        say(f"[etrain] attempt failed: {kind.replace('_', ' ')} ({first_line}); "
-            "retrying from the newest verified checkpoint")
+            log.info(f"giving up after a {kind.replace('_', ' ')}: {type(error).__name__}: {first_line} "
+                     f"(user errors {user_failures}/{ft.max_failures}, infrastructure {infra_failures})")
+            return (*resume_point(home), error)
+        log.info(f"attempt failed: {kind.replace('_', ' ')} ({first_line}); "
+                 "retrying from the newest verified checkpoint")
         if kind in ("node_lost", "preemption"):
-            settle_cluster_view(error, say)
+            settle_cluster_view(error)
         previous = kind
 
 
@@ -309,7 +312,7 @@ def latest_metrics(home: JobHome) -> tuple[dict, str | None, None]:
     return dict(ckpt.read_manifest(home.root.fs, chosen.path).get("metrics", {})), chosen.path, None
 
 
-def resume_point(home: JobHome, say) -> tuple[dict, str | None]:
+def resume_point(home: JobHome) -> tuple[dict, str | None]:
     """For a job that gave up: its newest complete checkpoint (what a re-run resumes from, once it
     verifies) and the metrics in its manifest, for the summary. Manifests only: hashing a checkpoint
     of many GB on the driver would delay the failure's report. Anything that goes wrong here leaves
@@ -317,7 +320,7 @@ def resume_point(home: JobHome, say) -> tuple[dict, str | None]:
     try:
         complete = [c for c in ckpt.list_checkpoints(home.root.fs, home.run_path) if c["complete"]]
     except Exception as exc:  # boundary: the failure being reported must not be replaced by this one
-        say(f"[etrain] note: could not read the newest checkpoint for the summary ({type(exc).__name__}: {exc})")
+        log.warning(f"could not read the newest checkpoint for the summary ({type(exc).__name__}: {exc})")
         return {}, None
     return (dict(complete[-1]["metrics"]), complete[-1]["path"]) if complete else ({}, None)
 

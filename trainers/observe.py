@@ -11,6 +11,7 @@ at that moment, so the work lost after the last checkpoint and the recovery are 
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
 import shutil
@@ -25,6 +26,8 @@ from cluster.metrics import JobMetrics, NodeKind, cost_usd, goodput
 from cluster.storage import StorageRoot
 from trainers.config.job import JobSpec
 from trainers.history import MetricsHistory
+
+log = logging.getLogger(__name__)
 
 TENSORBOARD_DIR = "tensorboard"
 COST_FILE = "cost.json"
@@ -218,8 +221,8 @@ class Observer:
                 with open(local, "rb") as f:
                     self.root.write_bytes(f.read(), self.job, PROFILES_DIR, f"trace-steps-{start}-{stop}.json")
             self.profiler, self.profile_range = None, None
-            print(f"[etrain] profile of steps {start}-{stop}: "
-                  f"{self.root.uri_of(self.job, PROFILES_DIR, f'trace-steps-{start}-{stop}.json')}", flush=True)
+            log.info(f"profile of steps {start}-{stop}: "
+                     f"{self.root.uri_of(self.job, PROFILES_DIR, f'trace-steps-{start}-{stop}.json')}")
 
 
 def gpu_utilization() -> float | None:

@@ -2,7 +2,7 @@
 
 Every rank logs the same events; printing them all would repeat each line once per worker, so
 only rank 0's lines below WARNING are printed, while a warning or error from any rank is
-printed with its rank. Lines go to stdout as ``[etrain] message``: Ray forwards them to the
+printed with its rank. Lines go to stdout as ``[etrain] message`` (cluster.log_lines): Ray forwards them to the
 driver, whose console (trainers.console) shows ours and hides Ray's own. The level comes from
 ``ETRAIN_LOG_LEVEL`` (``etrain run --log-level``), INFO by default.
 """
@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from trainers.console import OURS
+from cluster.log_lines import OUR_LOGGERS, LineFormatter
 
 LOGGER_NAME = "etrain.worker"
 LOG_LEVEL_ENV = "ETRAIN_LOG_LEVEL"
@@ -32,18 +32,19 @@ class RankZeroFilter(logging.Filter):
 
 
 def worker_logger(rank: int, level: str | None = None) -> logging.Logger:
-    """The logger of this worker process, (re)configured for ``rank`` (a process may be reused)."""
-    log = logging.getLogger(LOGGER_NAME)
-    for handler in list(log.handlers):
-        log.removeHandler(handler)
+    """The logger of this worker process, (re)configured for ``rank`` (a process may be reused).
+    Our library modules' loggers (retention, storage) print through the same handler."""
     handler = logging.StreamHandler(sys.stdout)  # flushed at every line: Ray forwards it at once
-    handler.setFormatter(logging.Formatter(f"{OURS} %(rank_mark)s%(message)s"))
+    handler.setFormatter(LineFormatter(levels=False))
     handler.addFilter(RankZeroFilter(rank))
-    log.addHandler(handler)
-    log.propagate = False  # Ray's own handlers on the root logger would print it a second time
     name = (level or os.environ.get(LOG_LEVEL_ENV) or "INFO").upper()
-    log.setLevel(name if name in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO")  # a bad value is no job failure
-    return log
+    for log in (logging.getLogger(LOGGER_NAME), *map(logging.getLogger, OUR_LOGGERS)):
+        for old in list(log.handlers):
+            log.removeHandler(old)
+        log.addHandler(handler)
+        log.propagate = False  # Ray's own handlers on the root logger would print it a second time
+        log.setLevel(name if name in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO")  # a bad value is no job failure
+    return logging.getLogger(LOGGER_NAME)
 
 
 def worker_log() -> logging.Logger:

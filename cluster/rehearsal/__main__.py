@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from cluster.log_lines import send_to
 from cluster.rehearsal.cloud import REPO, Cloud, RehearsalError, run
 from cluster.rehearsal.render import rehearsal_config
 
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     dn = sub.add_parser("down", help="stop and remove a cloud left behind")
     dn.add_argument("--prefix", default="etr")
     args = parser.parse_args(argv)
+    send_to(sys.stdout)  # the cloud's own lines ([rehearsal] ...) while this command runs
     try:
         if args.command == "down":
             print("\n".join(down(args.prefix)) or "nothing to remove")

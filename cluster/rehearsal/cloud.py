@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -43,6 +44,8 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 DEBIAN_PYTHON = "/usr/bin/python3"
@@ -84,7 +87,7 @@ def installers(python: Path) -> list[list[str]]:
     return [[str(uv), "pip", "install", "-q", "--compile-bytecode", "--python", str(python), *links], pip]
 
 
-def build_image(cache: Path = IMAGE_CACHE, say=print) -> Path:
+def build_image(cache: Path = IMAGE_CACHE) -> Path:
     """The node environment for these pins, built once (seconds with uv, a minute with pip) and reused after."""
     reqs = image_requirements()
     key = hashlib.sha256(json.dumps([reqs, os.path.realpath(DEBIAN_PYTHON)]).encode()).hexdigest()[:12]
@@ -96,7 +99,7 @@ def build_image(cache: Path = IMAGE_CACHE, say=print) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     cache.chmod(0o755)
     shutil.rmtree(venv, ignore_errors=True)  # a build cut short: no .complete
-    say(f"[rehearsal] building the node image (Ray, torch, the project's dependencies) in {venv}")
+    log.info(f"building the node image (Ray, torch, the project's dependencies) in {venv}")
     # System site-packages on: a node user's own `pip install` then goes to its user site, as on
     # an instance whose system Python holds the image's packages.
     run([DEBIAN_PYTHON, "-m", "venv", "--system-site-packages", str(venv)])
@@ -171,7 +174,7 @@ class Cloud:
         self.stop()
 
     # -- start -------------------------------------------------------------------------------
-    def start(self, say=print) -> None:
+    def start(self) -> None:
         if os.geteuid() != 0:
             raise RehearsalError("the rehearsal makes network namespaces and node users: run it as root")
         for tool in (SSHD, "/usr/bin/rsync", "/usr/bin/nsenter", "/usr/bin/unshare"):
@@ -184,7 +187,7 @@ class Cloud:
         if taken:
             raise RehearsalError(f"uids {sorted(taken)} already run processes (another rehearsal?): "
                                  "give this one another first_uid")
-        self.image = self.image or build_image(say=say)
+        self.image = self.image or build_image()
         self.base.mkdir(parents=True, exist_ok=True)
         self.base.chmod(0o755)
         keys = self.base / "keys"
@@ -204,7 +207,7 @@ class Cloud:
             self._make_node(node)
         for node in self.nodes:
             self._wait_ssh(node)
-        say(f"[rehearsal] {len(self.nodes)} nodes up: " + ", ".join(f"{n.name} {n.ip}" for n in self.nodes))
+        log.info(f"{len(self.nodes)} nodes up: " + ", ".join(f"{n.name} {n.ip}" for n in self.nodes))
 
     def _make_node(self, node: Node) -> None:
         ns, host_end, node_end = node.netns, f"{self.prefix}h-{node.name}", f"{self.prefix}n-{node.name}"
@@ -361,7 +364,7 @@ class Cloud:
                 try:
                     step()
                 except (OSError, subprocess.SubprocessError) as exc:
-                    print(f"[rehearsal] stopping {node.name}: {exc}; going on", file=sys.stderr)
+                    log.warning(f"stopping {node.name}: {exc}; going on")
         for pid in self.pids():  # anything that left its PID namespace's tree (none expected)
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -176,7 +176,7 @@ def test_two_workers_learn_text_with_dynamic_batching(ray_local, tmp_path):
     assert summary["final_loss"] < 0.75 * math.log(257), summary  # well under a uniform guess over bytes
 
 
-def test_resume_is_bit_exact_and_retention_and_staging_never_break_it(unbroken, tmp_path):
+def test_resume_is_bit_exact_and_retention_and_staging_never_break_it(unbroken, tmp_path, said):
     """The unbroken run (synchronous uploads, two checkpoints kept) and a run stopped at step 6 and
     resumed (asynchronous uploads, one checkpoint kept) end bit for bit alike, dropout included.
     Retention removed the checkpoint Ray's own run snapshot still names; rank 0 keeps no local copies."""
@@ -200,8 +200,7 @@ def test_resume_is_bit_exact_and_retention_and_staging_never_break_it(unbroken, 
     for pid, st in a["optimizer"]["state"].items():
         for field, tensor in st.items():
             assert torch.equal(tensor, b["optimizer"]["state"][pid][field]), (pid, field)
-    said = []
-    code, again = run_job(broken, say=said.append)  # a finished job reports its summary again, starting nothing
+    code, again = run_job(broken)  # a finished job reports its summary again, starting nothing
     assert code == EXIT_OK and again["final_step"] == 40 and again["final_loss"] == rest["final_loss"], again
     assert any("is done: its newest verified checkpoint is at step 40" in line for line in said), said
 

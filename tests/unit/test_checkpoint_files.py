@@ -115,7 +115,7 @@ def test_prune_keeps_newest_and_best(tmp_path):
     assert sorted(os.listdir(run)) == [ckpt.dir_name(s) for s in (20, 30, 40)]
 
 
-def test_a_throttled_manifest_read_during_prune_deletes_nothing(s3_server, tmp_path):
+def test_a_throttled_manifest_read_during_prune_deletes_nothing(s3_server, tmp_path, said):
     """S3 answers 503 SlowDown (past the client's retries) for the best checkpoint's manifest:
     that is not an incomplete checkpoint, so this round prunes nothing and says why."""
     import boto3
@@ -131,12 +131,11 @@ def test_a_throttled_manifest_read_during_prune_deletes_nothing(s3_server, tmp_p
         pafs.copy_files(local, f"{run}/{ckpt.dir_name(step)}", destination_filesystem=direct)
     best_manifest = f"/{run}/{ckpt.dir_name(10)}/{ckpt.MANIFEST}"
     proxy = FaultyProxy(s3_server, lambda method, path: path == best_manifest, times=20)
-    said = []
     try:
         # one try: the client's own retries, with their back-off, would only take the tier seconds
         through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http",
                                           retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
-        deleted = ckpt.prune(through_proxy, run, 1, "loss", "min", say=said.append)
+        deleted = ckpt.prune(through_proxy, run, 1, "loss", "min")
     finally:
         proxy.close()
     assert proxy.failed, ("the proxy must have answered 503", proxy.passed)
@@ -144,7 +143,7 @@ def test_a_throttled_manifest_read_during_prune_deletes_nothing(s3_server, tmp_p
     steps = [ckpt.step_of(os.path.basename(p["path"])) for p in ckpt.list_checkpoints(direct, run)]
     assert steps == [10, 20, 30, 40]
     assert any("skipped this round" in line and ckpt.dir_name(10) in line for line in said), said
-    assert ckpt.prune(direct, run, 1, "loss", "min", say=said.append) == [20, 30]  # the next round goes ahead
+    assert ckpt.prune(direct, run, 1, "loss", "min") == [20, 30]  # the next round goes ahead
 
 
 def s3_run(s3_server, tmp_path, bucket: str, losses: list[tuple[int, float]]) -> tuple[pafs.S3FileSystem, str]:
@@ -197,7 +196,7 @@ def test_a_retention_round_on_s3_is_one_listing_and_one_delete(s3_server, tmp_pa
                                           for name in (ckpt.MANIFEST, "model_50.pt")]
 
 
-def test_a_failed_delete_is_said_and_the_next_round_deletes(s3_server, tmp_path, monkeypatch):
+def test_a_failed_delete_is_said_and_the_next_round_deletes(s3_server, tmp_path, monkeypatch, said):
     """S3 refuses the delete past the client's retries: training goes on (retention is
     housekeeping), the round says what it could not delete, and the next round deletes it."""
     from faulty_proxy import FaultyProxy
@@ -209,20 +208,19 @@ def test_a_failed_delete_is_said_and_the_next_round_deletes(s3_server, tmp_path,
 
     direct, run = s3_run(s3_server, tmp_path, "prune-refused", [(10, 0.5), (20, 0.4), (30, 0.3)])
     proxy = FaultyProxy(s3_server, lambda method, path: method == "POST", times=20)
-    said: list[str] = []
     known: dict = {}
     try:
         # pyarrow's own retries (it gets the round after boto3) would only add their back-off here
         through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http",
                                           retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
-        assert ckpt.prune(through_proxy, run, 1, None, "min", say=said.append, known=known) == []
+        assert ckpt.prune(through_proxy, run, 1, None, "min", known=known) == []
     finally:
         proxy.close()
     assert proxy.failed, ("the proxy must have refused the delete", proxy.passed)
     assert len(said) == 1 and "could not delete" in said[0] and "the next round tries again" in said[0], said
     assert ckpt.dir_name(10) in said[0] and ckpt.dir_name(20) in said[0] and "SlowDown" in said[0], said
     assert len(bucket_keys("prune-refused")) == 6, "nothing was deleted"
-    assert ckpt.prune(direct, run, 1, None, "min", say=said.append, known=known) == [10, 20]
+    assert ckpt.prune(direct, run, 1, None, "min", known=known) == [10, 20]
     assert len(bucket_keys("prune-refused")) == 2
 
 
@@ -234,7 +232,7 @@ KEYS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><DeleteResult xmlns="http
 
 
 @pytest.mark.parametrize("status,answer", [(403, ACCESS_DENIED), (200, KEYS_DENIED)], ids=["request", "per-key"])
-def test_deletes_boto3_is_refused_go_through_pyarrow_from_then_on(s3_server, tmp_path, status, answer):
+def test_deletes_boto3_is_refused_go_through_pyarrow_from_then_on(s3_server, tmp_path, status, answer, said):
     """boto3's credential chain can find other credentials than pyarrow's (the AWS C++ SDK's), or
     none; S3 refuses a whole request (403) or each key (200, an Error per key). Old checkpoints must
     not pile up for it: that round deletes through pyarrow, and so do the rounds after it, without
@@ -244,17 +242,16 @@ def test_deletes_boto3_is_refused_go_through_pyarrow_from_then_on(s3_server, tmp
     bucket = f"prune-denied-{status}"
     direct, run = s3_run(s3_server, tmp_path, bucket, [(10, 0.5), (20, 0.4), (30, 0.3)])
     proxy = FaultyProxy(s3_server, lambda method, path: method == "POST", times=1, status=status, answer=answer)
-    said: list[str] = []
     try:
         through_proxy = pafs.S3FileSystem(endpoint_override=proxy.url.removeprefix("http://"), scheme="http",
                                           region="eu-north-1")  # a client of its own, not the other tests'
-        assert ckpt.prune(through_proxy, run, 1, None, "min", say=said.append) == [10, 20]
+        assert ckpt.prune(through_proxy, run, 1, None, "min") == [10, 20]
         assert proxy.failed == [("POST", f"/{bucket}")], "boto3 was refused once"
         (tmp_path / "40").mkdir()
         ckpt.write(pafs.LocalFileSystem(), str(tmp_path / "40"), {"step": 40}, "model_40.pt", {"loss": 0.2})
         pafs.copy_files(str(tmp_path / "40"), f"{run}/{ckpt.dir_name(40)}", destination_filesystem=direct)
         proxy.passed.clear()
-        assert ckpt.prune(through_proxy, run, 1, None, "min", say=said.append) == [30]
+        assert ckpt.prune(through_proxy, run, 1, None, "min") == [30]
     finally:
         proxy.close()
     # pyarrow's delete_dir starts with a HEAD of the folder; boto3's batch has none.

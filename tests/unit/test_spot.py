@@ -10,7 +10,6 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from cluster.rehearsal.imds import FakeIMDS
-
 from cluster.spot import IMDS, Notice, OwnNodeError, decide, parse_instance_action, pick_own_node, watch
 
 NOW = datetime(2026, 11, 30, 10, 0, 0, tzinfo=timezone.utc)
@@ -57,37 +56,32 @@ def test_interruption_notice_drains_with_its_deadline(imds):
     imds.documents["/latest/meta-data/spot/instance-action"] = action(110)
     drained = []
     notice = watch(IMDS(imds.url), lambda n: drained.append(n) or True, interval_s=0.01, max_polls=3,
-                   clock=lambda: NOW, say=lambda m: None)
+                   clock=lambda: NOW)
     assert notice.kind == "spot-interruption" and notice.deadline_s == 110 and drained == [notice]
 
 
 def test_rebalance_recommendation_drains_early(imds):
     imds.documents["/latest/meta-data/events/recommendations/rebalance"] = '{"noticeTime": "2026-11-30T10:00:00Z"}'
     notice = watch(IMDS(imds.url), lambda n: True, interval_s=0.01, max_polls=2, clock=lambda: NOW,
-                   rebalance_deadline_s=300, say=lambda m: None)
+                   rebalance_deadline_s=300)
     assert notice.kind == "rebalance" and notice.deadline_s == 300
 
 
-def test_failed_drain_is_retried(imds):
+def test_failed_drain_is_retried(imds, said):
     imds.documents["/latest/meta-data/spot/instance-action"] = action(60)
     results = iter([False, True])
-    said = []
-    notice = watch(IMDS(imds.url), lambda n: next(results), interval_s=0.01, max_polls=5, clock=lambda: NOW,
-                   say=said.append)
+    notice = watch(IMDS(imds.url), lambda n: next(results), interval_s=0.01, max_polls=5, clock=lambda: NOW)
     assert notice is not None and any("drain failed" in m for m in said)
 
 
-def test_unreachable_metadata_service_is_survived():
-    said = []
-    assert watch(IMDS("http://127.0.0.1:9", timeout_s=0.2), lambda n: True, interval_s=0.01, max_polls=2,
-                 say=said.append) is None
+def test_unreachable_metadata_service_is_survived(said):
+    assert watch(IMDS("http://127.0.0.1:9", timeout_s=0.2), lambda n: True, interval_s=0.01, max_polls=2) is None
     assert len(said) == 2 and "unreachable" in said[0]
 
 
 def test_sigterm_drains_too(imds):
     threading.Timer(0.2, lambda: os.kill(os.getpid(), 15)).start()
-    notice = watch(IMDS(imds.url), lambda n: True, interval_s=0.05, max_polls=100, sigterm_deadline_s=20,
-                   say=lambda m: None)
+    notice = watch(IMDS(imds.url), lambda n: True, interval_s=0.05, max_polls=100, sigterm_deadline_s=20)
     assert notice.kind == "sigterm" and notice.deadline_s == 20
 
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from sweep_files import write_sweep
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,16 +44,28 @@ def test_main_module_defines_nothing_tune_could_pickle_by_value():
     assert defined == []
 
 
-def test_the_sweeps_log_lines_show_on_the_commands_stream_while_it_runs():
-    import io
+@pytest.mark.parametrize("as_json", [False, True])
+def test_the_sweeps_lines_show_on_stdout_or_beside_its_json_on_stderr(monkeypatch, capsys, as_json):
+    """What a person watches: our lines while the sweep runs, on stdout, or on stderr under --json
+    (stdout then holds the report alone), and none once the command is done."""
+    import json
     import logging
 
-    from trainers.sweep.cli import sweep_log_shown
+    from trainers.sweep import cli
 
-    shown = io.StringIO()
-    with sweep_log_shown(shown):
-        logging.getLogger("trainers.sweep.tune_run").info("[etrain] sweep 's': 2 sample(s)")
-        logging.getLogger("trainers.sweep.trials").warning("[etrain] note: could not remove")
+    def run_sweep(plan, resume=False):
+        logging.getLogger("trainers.sweep.tune_run").info("sweep 's': 2 sample(s)")
+        logging.getLogger("trainers.sweep.trials").warning("could not remove")
+        return 0, {"best": None}
+
+    monkeypatch.setattr(cli, "load_sweep", lambda *a: object())
+    monkeypatch.setattr(cli, "run_sweep", run_sweep)
+    monkeypatch.setattr(cli, "render_report", lambda report: "the report")
+    assert cli.main(["s.yaml", *(["--json"] if as_json else [])]) == 0
     logging.getLogger("trainers.sweep.tune_run").warning("after the command")
-    assert shown.getvalue() == "[etrain] sweep 's': 2 sample(s)\n[etrain] note: could not remove\n"
-    assert logging.getLogger("trainers.sweep").handlers == []
+    out, err = capsys.readouterr()
+    lines = "[etrain] sweep 's': 2 sample(s)\n[etrain] note: could not remove\n"
+    if as_json:
+        assert (json.loads(out), err) == ({"best": None}, lines)
+    else:
+        assert (out, err) == (lines + "the report\n", "")

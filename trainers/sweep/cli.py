@@ -1,15 +1,14 @@
 """The sweep's command line, ``etrain sweep`` and ``python -m trainers.sweep``: it reads the sweep file,
-shows the sweep's log lines as it runs, and prints the report at its end."""
+shows our log lines as it runs (cluster.log_lines), and prints the report at its end."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
 import sys
 
 import trainers.sweep
+from cluster.log_lines import send_to
 from trainers.config.errors import SpecError
 from trainers.config.loading import add_digest_arg
 from trainers.sweep.report import render_report
@@ -38,28 +37,14 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     add_digest_arg(p)
 
 
-@contextlib.contextmanager
-def sweep_log_shown(stream):
-    """The sweep's log lines (trainers.sweep's loggers, INFO and up) as plain lines on ``stream``
-    while the command runs: what a person watches, taken off again when the sweep is done."""
-    logger = logging.getLogger(trainers.sweep.__name__)
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         plan = load_sweep(args.spec, args.overrides, args.spec_sha256)
-        with sweep_log_shown(sys.stderr if args.json else sys.stdout):  # --json: stdout holds the report only
+        restore = send_to(sys.stderr if args.json else sys.stdout)  # --json: stdout holds the report only
+        try:
             code, report = run_sweep(plan, resume=args.resume)
+        finally:
+            restore()
     except SpecError as exc:
         print(exc.render(f"sweep {args.spec}"), file=sys.stderr)
         return 2

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import time
 from typing import Any
 
+from cluster.log_lines import send_to
 from cluster.storage import StorageRoot
 from trainers.config.loading import validate
 from trainers.sweep.spec import trial_spec_data
@@ -59,7 +61,11 @@ def run_trial(config: dict, base: dict, space: dict, jobs_uri: str, data_uri: st
     if done and done.get("step") == done.get("target_step"):
         ray.tune.report(done)  # finished before the sweep's driver died: report, do not train again
         return
-    _, summary = run_job(spec, callbacks=(TuneReportCallback(),), data_uri=data_uri)
+    restore = send_to(sys.stdout)  # a trial is a process of its own: Ray forwards its stdout to the sweep's driver
+    try:
+        _, summary = run_job(spec, callbacks=(TuneReportCallback(),), data_uri=data_uri)
+    finally:
+        restore()
     if summary["status"] == "failed":
         raise RuntimeError(f"trial job {spec.name} failed: {summary['error']}")
 
@@ -85,7 +91,7 @@ def remove_trial_placement_group(jobs: StorageRoot, trial_id: str) -> None:
         train_callbacks.remove_recorded_placement_group(
             train_callbacks.placement_group_record(trial_job_key(jobs, trial_id)))
     except Exception as exc:  # boundary: a leftover only costs capacity; the sweep goes on
-        log.warning("[etrain] note: could not remove trial %s's placement group (%s: %s)", trial_id,
+        log.warning("could not remove trial %s's placement group (%s: %s)", trial_id,
                     type(exc).__name__, exc)
 
 

@@ -126,7 +126,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False) -> tuple[int, dict]:
         fits = s.max_concurrent_trials * d.max_workers
         cpus = ray.cluster_resources().get("CPU", 0)
         if not d.use_gpu and fits > cpus:
-            log.warning("[etrain] note: %d trials x %d workers need %d CPUs, the cluster has %.0f: trials will wait "
+            log.warning("%d trials x %d workers need %d CPUs, the cluster has %.0f: trials will wait "
                         "for workers", s.max_concurrent_trials, d.max_workers, fits, cpus)
         data_uri = prepare_data(plan.spec, jobs)  # once, before trials race to make it
         trainable = tune.with_resources(
@@ -135,11 +135,11 @@ def run_sweep(plan: SweepPlan, resume: bool = False) -> tuple[int, dict]:
             # (Tune refuses an empty request).
             {"cpu": TRIAL_DRIVER_CPU})
         if resume:
-            log.info("[etrain] resuming sweep %r from %s", plan.name, root.uri_of(sweep_dir, "tune"))
+            log.info("resuming sweep %r from %s", plan.name, root.uri_of(sweep_dir, "tune"))
             tuner = tune.Tuner.restore(tune_path + "/tune", trainable, resume_unfinished=True, resume_errored=True,
                                        storage_filesystem=tune_fs)
         else:
-            log.info("[etrain] sweep %r: %d sample(s), %s search, %s scheduler, %s (%s), %d at a time; storage %s",
+            log.info("sweep %r: %d sample(s), %s search, %s scheduler, %s (%s), %d at a time; storage %s",
                      plan.name, s.samples, s.search, s.scheduler, s.metric, s.mode, s.max_concurrent_trials,
                      root.uri_of(sweep_dir))
             tuner = tune.Tuner(

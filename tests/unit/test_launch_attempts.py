@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from ray.train.v2.api.exceptions import WorkerGroupError
 
+from cluster.log_lines import lines_to
 from trainers import launch
 from trainers.config.loading import validate
 from trainers.home import job_home
@@ -42,7 +43,8 @@ def attempts(tmp_path, monkeypatch, max_failures: int, failures: int):
     monkeypatch.setattr(launch, "build_trainer", build_trainer)
     monkeypatch.setattr(launch, "node_liveness", lambda: {"node": True})
     runtime = launch.Runtime(use_gpu=False, backend="gloo", mixed_precision="no")
-    result = launch.run_attempts(spec, job_home(spec), runtime, "", None, "run", said.append)
+    with lines_to(said.append):
+        result = launch.run_attempts(spec, job_home(spec), runtime, "", None, "run")
     return result, fits, previous, said
 
 
@@ -92,7 +94,8 @@ def test_an_unreadable_checkpoint_does_not_replace_the_failure_in_the_summary(tm
     with home.root.fs.open_output_stream(posixpath.join(home.run_path, ckpt.dir_name(30), ckpt.MANIFEST)) as f:
         f.write(b"[1, 2]")
     said: list[str] = []
-    assert launch.resume_point(home, said.append) == ({}, None)
+    with lines_to(said.append):
+        assert launch.resume_point(home) == ({}, None)
     listed = ckpt.list_checkpoints(home.root.fs, home.run_path)
     assert [(c["step"], c["complete"]) for c in listed] == [(30, False)]  # a damaged manifest: not complete
     with home.root.fs.open_output_stream(posixpath.join(home.run_path, ckpt.dir_name(30), ckpt.MANIFEST)) as f:
@@ -130,10 +133,11 @@ def test_a_node_that_joined_during_the_fit_and_died_is_a_node_loss_not_a_user_er
     fits, said = [], []
     monkeypatch.setattr(launch, "build_trainer", lambda *a, **k: GrowThenLoseTrainer(nodes, fits))
     monkeypatch.setattr(launch, "node_liveness", lambda: dict(nodes))  # Ray lists a dead node as not alive
-    monkeypatch.setattr(launch, "settle_cluster_view", lambda error, say: None)  # it asks Ray
+    monkeypatch.setattr(launch, "settle_cluster_view", lambda error: None)  # it asks Ray
     monkeypatch.setattr(launch, "PEER_LOSS_WAIT_S", 0.2)
     spec = flaky_spec(tmp_path, max_failures=0)
     runtime = launch.Runtime(use_gpu=False, backend="gloo", mixed_precision="no")
-    metrics, _, error = launch.run_attempts(spec, job_home(spec), runtime, "", None, "run", said.append)
+    with lines_to(said.append):
+        metrics, _, error = launch.run_attempts(spec, job_home(spec), runtime, "", None, "run")
     assert error is None and metrics == {"step": 20} and len(fits) == 2, said
     assert any("attempt failed: node lost" in line for line in said), said
