@@ -53,7 +53,7 @@ def main() -> None:
     from cluster.rehearsal.imds import FakeIMDS
     from cluster.spot import IMDS, drain_node, watch
     from trainers.config.loading import validate
-    from trainers.home import job_home
+    from trainers.job_folder import job_home
     from trainers.launch import run_job
 
     cluster = Cluster(initialize_head=True, head_node_args={

@@ -192,7 +192,7 @@ class Submitter:
                     return self._replay(bound, body_sha256), False
             troot = self.context.tenant_root(tenant)
             if kind == "job":  # goodput counts from here, queueing included
-                troot.write_json({"submitted_at": time.time()}, record_id, "job.json")
+                troot.write_json({"submitted_at": time.time()}, record_id, trainers.JOB_FILE)
             now = time.time()
             record = Record(id=record_id, kind=kind, tenant=tenant, name=name, spec=run,
                             spec_uri=self.context.specs_root(tenant).uri_of(f"{record_id}.json"),  # written by submit

@@ -77,7 +77,8 @@ class Views:
         return [self.relative(record.tenant, uri) for uri in trainers.profiles(troot, record.id)]
 
     def summary_of(self, record: Record) -> dict | None:
-        parts = ("sweeps", record.id, "results.json") if record.kind == "sweep" else (record.id, "summary.json")
+        parts = (("sweeps", record.id, trainers.SWEEP_RESULTS_FILE) if record.kind == "sweep"
+                 else (record.id, trainers.SUMMARY_FILE))
         summary = read_tenant_json(self.context.tenant_root(record.tenant), *parts)
         return summary if isinstance(summary, dict) else None
 

@@ -19,11 +19,11 @@ from trainers.config.loading import apply_overrides, read_spec_file, validate
 from trainers.config.parsing import parse_text
 from trainers.console import strip_ansi
 from trainers.history import read_history, read_history_tail
-from trainers.home import JobHome, job_home
-from trainers.recovery import INTERRUPTIONS_FILE, StopFlag
+from trainers.job_folder import INTERRUPTIONS_FILE, JOB_FILE, SUMMARY_FILE, SWEEP_RESULTS_FILE, JobHome, job_home
+from trainers.recovery import StopFlag
 from trainers.sweep.spec import SweepPlan, candidate_values, plan_from_data, trial_spec_view
 
-__all__ = ["NAME_PATTERN", "REF_PATTERN", "INTERRUPTIONS_FILE", "SpecError", "SweepPlan", "apply_overrides",
+__all__ = ["NAME_PATTERN", "REF_PATTERN", "INTERRUPTIONS_FILE", "JOB_FILE", "SUMMARY_FILE", "SWEEP_RESULTS_FILE", "SpecError", "SweepPlan", "apply_overrides",
            "check_job", "check_sweep", "checkpoints_in", "home_of", "parse_text", "profiles", "read_history",
            "read_history_tail", "read_spec_file", "release_local_ray", "request_stop", "run_folder_of",
            "start_local_ray", "strip_ansi", "trial_spec_view", "trial_specs"]

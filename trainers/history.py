@@ -14,8 +14,8 @@ import re
 import time
 
 from cluster.storage import StorageRoot
+from trainers.job_folder import HISTORY_DIR
 
-HISTORY_DIR = "metrics"
 ROW_KEYS = ("step", "target_step", "epochs_done", "loss", "learning_rate", "samples_per_s", "tokens_per_s", "world_size",
             "data_wait_fraction", "step_time_s", "goodput", "cost_usd", "savings_usd", "checkpoint_save_s", "checkpoint_report_s")
 

@@ -6,7 +6,7 @@ Layout under the storage root, per job name (same name + root = resume that job)
     <root>/<name>/<checkpoint folder>/         Ray Train's run folder: checkpoint_<step>/ ...
     <root>/datasets/                           built-in data converted to Parquet on first use
 
-An absolute ``checkpoint.path`` moves the job's folder there (see trainers.home).
+An absolute ``checkpoint.path`` moves the job's folder there (see trainers.job_folder).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint_files as ckpt
 from trainers.config.errors import SpecError
 from trainers.config.job import JobSpec
-from trainers.home import JobHome, job_home
-from trainers.recovery import INTERRUPTIONS_FILE, StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
+from trainers.job_folder import JOB_FILE, RAY_SNAPSHOT_FILE, SUMMARY_FILE, JobHome, job_home, read_interruptions
+from trainers.recovery import StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV
 from trainers.workloads.datasets import prepare_data
 
@@ -183,7 +183,7 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, callbacks: tuple = (
         c = spec.checkpoint  # the loop prunes as it goes; the last async uploads land after it stops
         ckpt.prune(home.root.fs, home.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
         summary = write_summary(spec, home, metrics, checkpoint_uri, error, started,
-                                interruptions=[r for r in read_interruptions(home) if r.get("run_id") == run_id])
+                                interruptions=[r for r in read_interruptions(home.root, home.job) if r.get("run_id") == run_id])
     finally:
         restore_signals()
         release_ray(started_ray)
@@ -197,7 +197,7 @@ def write_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_uri: s
     """The run's summary, with this run's interruptions, written to <job>/summary.json."""
     summary = make_summary(spec, home, metrics, checkpoint_uri, error, time.time() - started)
     summary["interruptions"] = interruptions
-    home.root.write_json(summary, home.job, "summary.json")
+    home.root.write_json(summary, home.job, SUMMARY_FILE)
     return summary
 
 
@@ -208,7 +208,6 @@ def reached_max_steps(metrics: dict, max_steps: int) -> bool:
     return metrics.get("step") is not None and metrics.get("target_step") == max_steps <= metrics["step"]
 
 
-JOB_FILE = "job.json"
 
 
 def first_submitted_at(home: JobHome, now: float) -> float:
@@ -288,7 +287,6 @@ def run_attempts(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str, 
         previous = kind
 
 
-RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 
 
 def forget_ray_snapshot(home: JobHome) -> None:
@@ -323,11 +321,6 @@ def resume_point(home: JobHome) -> tuple[dict, str | None]:
         log.warning(f"could not read the newest checkpoint for the summary ({type(exc).__name__}: {exc})")
         return {}, None
     return (dict(complete[-1]["metrics"]), complete[-1]["path"]) if complete else ({}, None)
-
-
-def read_interruptions(home: JobHome) -> list[dict]:
-    root, job = home.root, home.job
-    return root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else []
 
 
 def make_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_path: str | None,

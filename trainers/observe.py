@@ -26,12 +26,10 @@ from cluster.metrics import JobMetrics, NodeKind, cost_usd, goodput
 from cluster.storage import StorageRoot
 from trainers.config.job import JobSpec
 from trainers.history import MetricsHistory
+from trainers.job_folder import COST_FILE, PROFILES_DIR, TENSORBOARD_DIR
 
 log = logging.getLogger(__name__)
 
-TENSORBOARD_DIR = "tensorboard"
-COST_FILE = "cost.json"
-PROFILES_DIR = "profiles"
 TB_EVENTS_PREFIX = "events.out.tfevents."  # what TensorBoard looks for in a file's name
 TB_SCALARS = ("loss", "learning_rate", "samples_per_s", "tokens_per_s", "step_time_s", "data_wait_fraction",
               "world_size", "goodput", "cost_usd")

@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from cluster.ray_adapter.kv import kv_del, kv_exists, kv_get, kv_put
+from trainers.job_folder import STOP_REQUEST_FILE
 
 FailureKind = Literal["preemption", "node_lost", "peer_lost", "user_error", "fatal"]
-INTERRUPTIONS_FILE = "interruptions.json"
 HEARTBEAT_INTERVAL_S = 1.0
 
 
@@ -135,7 +135,7 @@ class Heartbeats:
     """Rank 0's heartbeat in Ray's GCS key-value store (it outlives the workers, not the cluster)."""
 
     def __init__(self, job_key: str, run_id: str, interval_s: float = HEARTBEAT_INTERVAL_S, attempt: float = 0.0):
-        """``job_key``: the job's name in Ray's KV (trainers.home.JobHome.key), never its bare name;
+        """``job_key``: the job's name in Ray's KV (trainers.job_folder.JobHome.key), never its bare name;
         ``attempt``: the launcher attempt this worker belongs to, written into each beat."""
         self.key = f"{job_key}/heartbeat".encode()
         self.run_id, self.attempt = run_id, attempt
@@ -158,7 +158,6 @@ class Heartbeats:
         kv_put(self.key, json.dumps(asdict(Heartbeat(self.run_id, step, now, world_size, cause, self.attempt))))
 
 
-STOP_REQUEST_FILE = "stop-request.json"
 STOP_FILE_POLL_S = 2.0
 
 
@@ -175,7 +174,7 @@ class StopFlag:
     """
 
     def __init__(self, job_key: str, folder: tuple | None = None):
-        """``job_key``: the job's name in Ray's KV (trainers.home.JobHome.key): two jobs of one name
+        """``job_key``: the job's name in Ray's KV (trainers.job_folder.JobHome.key): two jobs of one name
         in two storage roots have two keys, so one's stop never stops or clears the other's.
         ``folder``: (StorageRoot, the job's folder under it) for the file; None: the KV key only."""
         self.key = f"{job_key}/stop".encode()

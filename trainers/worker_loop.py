@@ -37,9 +37,10 @@ from trainers.config.batching import batching_summary
 from trainers.config.job import JobSpec
 from trainers.console import progress_text
 from trainers.data import Feed, StepMicroBatches, accounting
+from trainers.job_folder import read_interruptions
 from trainers.model_ops import autocast_for, build_optimizer, lr_scheduler, params_in_sync, seed_generators, unwrap
 from trainers.observe import Observer, group_kinds
-from trainers.recovery import HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeats, StopFlag, launcher_cause
+from trainers.recovery import HEARTBEAT_INTERVAL_S, Heartbeats, StopFlag, launcher_cause
 from trainers.rules import (Kind, halved_split, next_check_step, oom_message, oom_vote_due, plan_for, step_seed,
                             sync_due, target_step)
 from trainers.sync_step import SyncOutcome, SyncVector
@@ -194,8 +195,7 @@ class Trainer:
                             self.restored.get("observer"), group_kinds(kinds), job=self.job, staging=staging,
                             start_step=self.start)
         if self.rank == 0:
-            known = self.root.read_json(self.job, INTERRUPTIONS_FILE) if self.root.exists(self.job, INTERRUPTIONS_FILE) else []
-            observer.interruptions(known)
+            observer.interruptions(read_interruptions(self.root, self.job))
         return observer
 
     # -------------------------------------------------------------- the loop
@@ -413,7 +413,7 @@ class Trainer:
         if pending is not None:
             cause = launcher_cause(pending, config.get("attempt_started_at", 0.0), config.get("previous_failure"))
             record_interruption(self.root, self.job, pending, self.start, self.world, cause)
-            self.observer.interruptions(self.root.read_json(self.job, INTERRUPTIONS_FILE))
+            self.observer.interruptions(read_interruptions(self.root, self.job))
         if self.pulse:
             self.pulse.took_over(done)
         # Paid from the moment the attempt before died (or this run started): nothing goes unbilled.

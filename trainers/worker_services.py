@@ -15,8 +15,8 @@ import time
 import ray.train
 
 from cluster.metrics import node_kind
-from trainers.recovery import (HEARTBEAT_INTERVAL_S, INTERRUPTIONS_FILE, Heartbeat, Heartbeats, StopFlag,
-                               interruption_record)
+from trainers.job_folder import INTERRUPTIONS_FILE, read_interruptions
+from trainers.recovery import HEARTBEAT_INTERVAL_S, Heartbeat, Heartbeats, StopFlag, interruption_record
 from trainers.worker_log import worker_log
 
 
@@ -138,7 +138,7 @@ def record_interruption(root, job: str, last: Heartbeat, restored_step: int, wor
     elif last.cause is None and world > last.world_size:
         last = dataclasses.replace(last, cause="scale up")  # Ray Train restarted the group to grow it
     record = interruption_record(last, restored_step, world, time.time())
-    records = root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else []
+    records = read_interruptions(root, job)
     root.write_json([*records, record], job, INTERRUPTIONS_FILE)
     worker_log().info(f"recovered from {record['cause']} in {record['recovery_s']:.1f}s: "
                       f"{record['steps_lost']} steps lost, world size {record['world_size_before']} -> {world}")

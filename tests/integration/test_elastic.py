@@ -13,7 +13,7 @@ from waiting import wait_for
 
 from trainers import checkpoint_files as ckpt
 from trainers.config.loading import validate
-from trainers.home import job_home
+from trainers.job_folder import job_home
 from trainers.launch import EXIT_STOPPED, run_job
 from trainers.recovery import StopFlag
 from trainers.rules import plan_for

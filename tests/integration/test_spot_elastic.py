@@ -20,7 +20,7 @@ from cluster.spot import IMDS, drain_node, watch
 from cluster.storage import open_root
 from trainers import checkpoint_files as ckpt
 from trainers.config.loading import validate
-from trainers.home import job_home
+from trainers.job_folder import job_home
 from trainers.launch import EXIT_OK, run_job
 from trainers.recovery import Heartbeats
 

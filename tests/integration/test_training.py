@@ -393,7 +393,7 @@ def test_a_stop_request_stops_its_job_only_with_a_checkpoint_and_a_stale_one_is_
     from waiting import wait_for
 
     from trainers.history import read_history
-    from trainers.home import job_home
+    from trainers.job_folder import job_home
     from trainers.recovery import StopFlag
 
     specs = [digits_spec(tmp_path / root, "twin", waiting=True, max_steps=1_000_000) for root in ("a", "b")]

@@ -14,7 +14,7 @@ DRIVER = """
 import sys
 import service.cli, trainers.cli, trainers.sweep.cli  # what the commands import
 from trainers.config.loading import validate
-from trainers.home import job_home
+from trainers.job_folder import job_home
 from trainers.launch import build_trainer, resolve_runtime
 from trainers.workloads.datasets import prepare_data
 from cluster.storage import open_root

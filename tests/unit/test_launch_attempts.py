@@ -10,7 +10,7 @@ from ray.train.v2.api.exceptions import WorkerGroupError
 from cluster.log_lines import lines_to
 from trainers import launch
 from trainers.config.loading import validate
-from trainers.home import job_home
+from trainers.job_folder import job_home
 
 
 class FakeTrainer:

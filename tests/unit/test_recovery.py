@@ -115,7 +115,8 @@ def test_a_node_lost_a_moment_after_a_restart_is_recorded_once_as_a_node_loss(mo
 
     from cluster.storage import open_root
     from trainers import recovery
-    from trainers.recovery import INTERRUPTIONS_FILE, Heartbeats, StopFlag
+    from trainers.job_folder import INTERRUPTIONS_FILE
+    from trainers.recovery import Heartbeats, StopFlag
     from trainers.worker_loop import Clock, Trainer
     from trainers.worker_services import Pulse
 

@@ -6,7 +6,7 @@ import pytest
 
 from cluster.storage import check_uri, open_root
 from trainers.config.loading import validate
-from trainers.home import job_home
+from trainers.job_folder import job_home
 
 
 @pytest.mark.parametrize("uri,ok", [("/tmp/x", True), ("file:///tmp/x", True), ("s3://bucket/p", True),

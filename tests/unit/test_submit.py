@@ -117,7 +117,7 @@ def test_sweep_trials_count_every_grid(sweep, trials):
 
 def test_an_absolute_checkpoint_path_over_http_stays_in_the_tenants_folder(tmp_path):
     from trainers.config.loading import validate
-    from trainers.home import job_home
+    from trainers.job_folder import job_home
 
     mgr = fakes.manager(tmp_path, fakes.FakeClient())
     from service.auth import Principal

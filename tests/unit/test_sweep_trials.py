@@ -3,7 +3,6 @@ and removal."""
 
 from __future__ import annotations
 
-
 from trainers.sweep.trials import trial_job_data
 
 
@@ -27,7 +26,7 @@ def test_a_trial_records_its_placement_group_where_the_sweep_driver_finds_it(tmp
     from cluster.storage import open_root
     from trainers import launch
     from trainers.config.loading import validate
-    from trainers.home import job_home
+    from trainers.job_folder import job_home
     from trainers.sweep import trials
 
     base = {"name": "s", "checkpoint": {"storage_root": str(tmp_path)}}

@@ -9,6 +9,7 @@ from typing import Any
 
 from cluster.storage import StorageRoot
 from trainers.config.loading import validate
+from trainers.job_folder import SUMMARY_FILE, SWEEP_RESULTS_FILE
 from trainers.sweep.spec import TIME_ATTR
 from trainers.sweep.trials import trial_job_data, trial_job_name, trial_values
 
@@ -67,21 +68,21 @@ def settle_trial_summaries(rows: list[dict], base: dict, jobs: StorageRoot) -> N
     A trial reports in the background while it trains on, so it may reach its target before
     the scheduler's stop arrives: its row then says it finished, where and with what loss.
     """
-    from trainers.home import job_home
+    from trainers.job_folder import job_home
     from trainers.launch import latest_metrics, make_summary
 
     for row in rows:
         if row["status"] == "error":
             continue
         name = trial_job_name(row["trial"])
-        summary = jobs.read_json(name, "summary.json") if jobs.exists(name, "summary.json") else {}
+        summary = jobs.read_json(name, SUMMARY_FILE) if jobs.exists(name, SUMMARY_FILE) else {}
         if not summary or summary.get("status") == "failed":
             spec = validate(trial_job_data(base, row["params"], name, jobs.uri))
             metrics, path, _ = latest_metrics(job_home(spec))
             summary = make_summary(spec, job_home(spec), metrics, path, None, row["time_s"])
             if not reached_target(summary):  # torn down after its target, the job was done
                 summary.update(status="stopped", stopped_by="sweep scheduler")
-            jobs.write_json(summary, name, "summary.json")
+            jobs.write_json(summary, name, SUMMARY_FILE)
         if reached_target(summary) and row["status"] == "stopped early":
             row.update(status="finished", step=summary["final_step"], target_step=summary["target_step"],
                        loss=summary["final_loss"],  # the metric too, when it is the loss (the row's key)
@@ -124,5 +125,5 @@ def render_report(report: dict) -> str:
         lines.append(f"[etrain] best spec: {report['best_spec']}  (run it: etrain run {report['best_spec']})")
     else:
         lines.append("[etrain] no trial reported the metric: see the errors above")
-    lines.append(f"[etrain] results:   {report['storage']}/results.json")
+    lines.append(f"[etrain] results:   {report['storage']}/{SWEEP_RESULTS_FILE}")
     return "\n".join(lines)

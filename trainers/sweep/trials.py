@@ -52,7 +52,7 @@ def run_trial(config: dict, base: dict, space: dict, jobs_uri: str, data_uri: st
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from trainers.home import job_home
+    from trainers.job_folder import job_home
     from trainers.launch import latest_metrics, run_job
 
     values = trial_values(space, config)
@@ -71,9 +71,9 @@ def run_trial(config: dict, base: dict, space: dict, jobs_uri: str, data_uri: st
 
 
 def trial_job_key(jobs: StorageRoot, trial_id: str) -> str:
-    """The key a trial's job runs under in Ray, as the trial derives it (trainers.home: it depends
+    """The key a trial's job runs under in Ray, as the trial derives it (trainers.job_folder: it depends
     on the job's folder alone, ``trial_job_data`` fixes that folder under ``jobs``)."""
-    from trainers.home import JobHome
+    from trainers.job_folder import JobHome
 
     return JobHome(jobs, trial_job_name(trial_id), "").key
 

@@ -12,6 +12,7 @@ import yaml
 
 from cluster.storage import StorageRoot
 from trainers.config.errors import SpecError
+from trainers.job_folder import SWEEP_RESULTS_FILE
 from trainers.sweep.report import best_row, result_rows, settle_trial_summaries
 from trainers.sweep.spec import TIME_ATTR, SweepConfig, SweepPlan, trial_spec_data
 from trainers.sweep.trials import remove_trial_placement_group, run_trial, trial_cleanup_callback
@@ -165,7 +166,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False) -> tuple[int, dict]:
             best_data.setdefault("checkpoint", {})["storage_root"] = plan.spec.checkpoint.storage_root
             root.write_bytes(yaml.safe_dump(best_data, sort_keys=False).encode(), sweep_dir, "best.yaml")
             report["best_spec"] = root.uri_of(sweep_dir, "best.yaml")
-        root.write_json(report, sweep_dir, "results.json")
+        root.write_json(report, sweep_dir, SWEEP_RESULTS_FILE)
     finally:
         release_ray(started_ray)
     errors = [r for r in rows if r["status"] == "error"]

@@ -1,4 +1,4 @@
-"""Where a job's files live, and what names a job on a cluster.
+"""Where a job's files live, what each is called, and what names a job on a cluster.
 
 A relative ``checkpoint.path`` keeps everything in ``<storage root>/<name>/``: checkpoints
 in the path's folder (``checkpoints/`` by default); summary, interruptions, cost, metrics
@@ -20,6 +20,24 @@ from dataclasses import dataclass
 
 from cluster.storage import StorageRoot, open_root
 from trainers.config.job import JobSpec
+
+# Every file and folder of a job's folder, by the name it has there (the checkpoints' own
+# names, checkpoint_<step>/ and its manifest, are trainers.checkpoint_files')
+JOB_FILE = "job.json"  # when the job was first submitted: cost and goodput count from then
+SUMMARY_FILE = "summary.json"  # the run's summary, written at its end (also printed)
+INTERRUPTIONS_FILE = "interruptions.json"  # each restart: cause, steps lost, time to recover
+STOP_REQUEST_FILE = "stop-request.json"  # a graceful stop asked in storage, read by rank 0
+COST_FILE = "cost.json"  # the run's cost segments, one per attempt
+HISTORY_DIR = "metrics"  # the metrics history, JSON Lines files by step range
+TENSORBOARD_DIR = "tensorboard"
+PROFILES_DIR = "profiles"  # torch profiler traces
+RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's own record in the checkpoints' folder
+SWEEP_RESULTS_FILE = "results.json"  # a sweep's folder: every trial's values, status and metrics
+
+
+def read_interruptions(root: StorageRoot, job: str) -> list[dict]:
+    """The job's interruption records, oldest first; none yet is an empty list."""
+    return root.read_json(job, INTERRUPTIONS_FILE) if root.exists(job, INTERRUPTIONS_FILE) else []
 
 
 @dataclass(frozen=True)
