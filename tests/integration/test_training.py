@@ -18,7 +18,7 @@ import torch
 
 from cluster.leftovers import writing_into
 from cluster.storage import open_root
-from trainers import checkpoint as ckpt
+from trainers import checkpoint_files as ckpt
 from trainers.config.loading import validate
 from trainers.launch import EXIT_FAILED, EXIT_OK, EXIT_STOPPED, run_job
 
@@ -164,7 +164,7 @@ def test_two_workers_learn_text_with_dynamic_batching(ray_local, tmp_path):
     code, summary = run_job(spec)
     assert code == EXIT_OK, summary
     from trainers.data import StepMicroBatches
-    from trainers.trainer import plan_for
+    from trainers.rules import plan_for
     from trainers.workloads import resolve
 
     workload = resolve(spec)
