@@ -212,7 +212,8 @@ class Trainer:
             for step in range(self.start, self.stop):
                 self.train_step(step)
                 done = step + 1
-                self.after_first_step(done)
+                if self.clock.step_done(len(self.plan.global_batch_at(step))):
+                    self.take_over(done)
                 if self.pulse:
                     self.pulse.step = done
                 if done != self.stop and not sync_due(done, t.log_interval_steps, self.next_check, self.checkpointer.interval_steps):
@@ -402,13 +403,9 @@ class Trainer:
             "loader": self.feed.state(), "sample_ids": sample_ids, "scheduling": self.scheduling,
         }
 
-    def after_first_step(self, done: int) -> None:
-        """The first step pays for warm-up; steady throughput and the cost segment start after it."""
-        clock = self.clock
-        if clock.steady_start is not None:
-            clock.steady_samples += len(self.plan.global_batch_at(done - 1))
-            return
-        clock.steady_start = time.perf_counter()
+    def take_over(self, done: int) -> None:
+        """At this attempt's first step (warm-up paid): record the interruption the attempt before
+        ended with, beat at once, and open this attempt's cost segment."""
         pending, config = self.pending_beat, self.config
         if pending is not None:
             cause = launcher_cause(pending, config.get("attempt_started_at", 0.0), config.get("previous_failure"))
@@ -424,6 +421,8 @@ class Trainer:
 
 @dataclasses.dataclass
 class Clock:
+    """What the loop times: the run, the window since the last log, steady throughput after warm-up."""
+
     run_start: float
     window_start: float = 0.0
     steady_start: float | None = None
@@ -431,4 +430,13 @@ class Clock:
 
     def __post_init__(self) -> None:
         self.window_start = self.run_start
+
+    def step_done(self, samples: int) -> bool:
+        """Count a step; True for the attempt's first, which pays for warm-up: steady throughput
+        counts from its end."""
+        if self.steady_start is None:
+            self.steady_start = time.perf_counter()
+            return True
+        self.steady_samples += samples
+        return False
 

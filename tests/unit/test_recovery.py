@@ -145,9 +145,9 @@ def test_a_node_lost_a_moment_after_a_restart_is_recorded_once_as_a_node_loss(mo
         return trainer
 
     Pulse(Heartbeats("root/job", "run-1"), StopFlag("root/job"), 2).checkpointed(750, jit=True)
-    attempt("preemption").after_first_step(751)
+    attempt("preemption").take_over(751)
     time.sleep(0.01)
-    attempt("node_lost").after_first_step(751)
+    attempt("node_lost").take_over(751)
     records = root.read_json("job", INTERRUPTIONS_FILE)
     assert [r["cause"] for r in records] == ["preemption notice", "node lost"], records
     assert records[1]["interrupted_at"] > records[0]["interrupted_at"], records
