@@ -203,7 +203,22 @@ class DataColumns(Strict):
     tokens: str = Field("tokens", description="list of ints, for tiny_gpt")
 
 
-class DataConfig(Strict):
+class FactoryFields(Strict):
+    """A section that may name a user's factory (``factory: 'pkg.module:fn'``) and its ``options``:
+    the reference is checked by its shape, the options by their size."""
+
+    @field_validator("factory", check_fields=False)
+    @classmethod
+    def _importable(cls, v: str | None) -> str | None:
+        return v if v is None else check_import_ref(v)
+
+    @field_validator("options", check_fields=False)
+    @classmethod
+    def _small_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_options(v)
+
+
+class DataConfig(FactoryFields):
     source: str | None = Field(None, description="builtin:digits, builtin:text, or a Parquet path / s3:// URI")
     factory: str | None = Field(None, description="'pkg.module:fn' returning a map-style Dataset")
     options: dict[str, Any] = {}
@@ -237,16 +252,6 @@ class DataConfig(Strict):
             raise ValueError("must be a .parquet file or a folder ending in '/'")
         return v
 
-    @field_validator("factory")
-    @classmethod
-    def _importable(cls, v: str | None) -> str | None:
-        return v if v is None else check_import_ref(v)
-
-    @field_validator("options")
-    @classmethod
-    def _small_options(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return check_options(v)
-
     @field_validator("num_workers", mode="before")
     @classmethod
     def _count_or_auto(cls, v: Any) -> Any:
@@ -255,7 +260,7 @@ class DataConfig(Strict):
         raise ValueError("must be 0 or more loader processes, or 'auto' to measure and choose")
 
 
-class ModelConfig(Strict):
+class ModelConfig(FactoryFields):
     name: Literal["mlp", "tiny_gpt"] = "mlp"
     factory: str | None = Field(None, description="'pkg.module:fn' returning an nn.Module")
     options: dict[str, Any] = {}
@@ -266,16 +271,6 @@ class ModelConfig(Strict):
     n_heads: int = Field(4, gt=0)
     max_seq_len: int = Field(256, gt=1)
     dropout: float = Field(0.0, ge=0, lt=1)
-
-    @field_validator("factory")
-    @classmethod
-    def _importable(cls, v: str | None) -> str | None:
-        return v if v is None else check_import_ref(v)
-
-    @field_validator("options")
-    @classmethod
-    def _small_options(cls, v: dict[str, Any]) -> dict[str, Any]:
-        return check_options(v)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
