@@ -68,8 +68,8 @@ def main() -> None:
     from ray.job_submission import JobSubmissionClient
 
     from cluster.ray_adapter.dashboard import dashboard_url
-    from service.app import JobService
     from service.auth import TokenEntry
+    from service.deployment import JobService
     from service.jobs import ServiceSettings
 
     root = mkdtemp(prefix="etrain-bench-service-")

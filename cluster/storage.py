@@ -175,9 +175,9 @@ def delete_trees(fs: pafs.FileSystem, folders: list[str], listed: list[pafs.File
             raise OSError(f"{exc} (boto3's DeleteObjects: {failed})") from exc
         if not failed.transient:
             _BATCH_REFUSED.add(client)
-            log.info(f"retention deletes old checkpoints through pyarrow from now on (about five requests a "
-                     f"checkpoint): boto3's DeleteObjects was refused where pyarrow's delete worked ({failed}). Check "
-                     "boto3's own settings on this node: AWS_PROFILE and ~/.aws/config, AWS_CA_BUNDLE, HTTPS_PROXY.")
+            log.warning(f"retention deletes old checkpoints through pyarrow from now on (about five requests a "
+                        f"checkpoint): boto3's DeleteObjects was refused where pyarrow's delete worked ({failed}). Check "
+                        "boto3's own settings on this node: AWS_PROFILE and ~/.aws/config, AWS_CA_BUNDLE, HTTPS_PROXY.")
 
 
 class _BatchFailed(Exception):

@@ -284,7 +284,7 @@ def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: s
                 known[path] = entry
             entries.append(entry)
     except (RetentionReadError, OSError) as exc:
-        log.info(f"retention skipped this round (nothing deleted): could not read {exc}")
+        log.warning(f"retention skipped this round (nothing deleted): could not read {exc}")
         return []
     doomed = retention_plan(entries, keep_newest, best_mode if metric else None)
     if not doomed:
@@ -294,7 +294,7 @@ def prune(fs: pafs.FileSystem, run_path: str, keep_newest: int | None, metric: s
     try:
         delete_trees(fs, [paths[step] for step in doomed], listed)
     except OSError as exc:
-        log.info(f"retention could not delete {', '.join(dir_name(s) for s in doomed)} ({exc}); "
-                 "the next round tries again")
+        log.warning(f"retention could not delete {', '.join(dir_name(s) for s in doomed)} ({exc}); "
+                    "the next round tries again")
         return []
     return doomed

@@ -13,9 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import requests
-from waiting import wait_for
-
 from conftest import free_port
+from waiting import wait_for
 
 pytestmark = pytest.mark.ray
 TOKEN = "observer-token-0123456789"
@@ -38,8 +37,8 @@ def observed(ray_local, tmp_path_factory):
     from ray._private.worker import get_dashboard_url
 
     from cluster.cli import prometheus_config_text
-    from service.app import JobService
     from service.auth import TokenEntry
+    from service.deployment import JobService
     from service.jobs import ServiceSettings
 
     work = tmp_path_factory.mktemp("observed")
