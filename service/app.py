@@ -81,6 +81,12 @@ def views() -> Views:
     return _state["manager"].views
 
 
+def follows() -> collections.Counter:
+    """Tenant -> the logs it follows now. Read through this function, never as ``_state`` from a
+    route made in a function: Serve pickles the app, and such a route by value with its globals."""
+    return _state["following"]
+
+
 def limits() -> HttpLimits:
     return _state["limits"]
 
@@ -197,7 +203,7 @@ def add_routes(kind: str) -> None:
             except RayUnavailable as exc:
                 raise HTTPException(404 if exc.missing else 503, str(exc)) from None
 
-        following = _state["following"]
+        following = follows()
         cap = limits().follow_streams_per_tenant
         if following[who.tenant] >= cap:
             raise HTTPException(429, f"tenant {who.tenant!r} follows {following[who.tenant]} logs at once, the most "

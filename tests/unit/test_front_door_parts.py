@@ -344,9 +344,14 @@ def test_serve_flags_set_the_limits_and_name_the_flag_when_wrong():
 # ---------------------------------------------------------------- followed logs per tenant
 
 
-def test_a_tenant_follows_only_so_many_logs_at_once(tmp_path):
-    """Each followed log holds a request slot until it ends: one token must not take them all."""
+@pytest.mark.parametrize("pickled", [False, True])
+def test_a_tenant_follows_only_so_many_logs_at_once(tmp_path, pickled):
+    """Each followed log holds a request slot until it ends: one token must not take them all.
+    ``pickled``: the route as Serve ships it to the replica (cloudpickle copies a route made in a
+    function by value, with the globals it names): it must count in the module's own state."""
     import asyncio
+
+    import cloudpickle
 
     from fastapi import HTTPException
 
@@ -374,6 +379,8 @@ def test_a_tenant_follows_only_so_many_logs_at_once(tmp_path):
     JobManager(settings, Ray()).store.save(record)
     stop = app.configure(settings, Tokens([]), client=Ray(), http=HttpLimits(follow_streams_per_tenant=2))
     logs = next(r.endpoint for r in app.app.routes if getattr(r, "path", "") == "/v1/jobs/{record_id}/logs")
+    if pickled:
+        logs = cloudpickle.loads(cloudpickle.dumps(logs))
 
     async def scenario():
         nonlocal release
