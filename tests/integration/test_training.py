@@ -227,6 +227,12 @@ def test_a_job_starts_from_another_jobs_weights_and_resumes_from_its_own(unbroke
     assert code == EXIT_OK and rest["final_step"] == 4, rest
     rows = {r["step"]: r for r in read_history(open_root(str(tmp_path)), "finetune")}
     assert rows[3]["time"] > rows[2]["time"] and rows[4]["loss"] < 0.5 * math.log(10), rows
+    # One worker (no DDP to broadcast): rank 0 alone loads them, from the first job's checkpoints folder
+    alone = digits_spec(tmp_path, "alone", max_steps=1, log_interval_steps=1)
+    alone.distributed.num_workers = 1
+    alone.model.init_from = str(root / name / "checkpoints")
+    code, one = run_job(alone)
+    assert code == EXIT_OK and one["final_loss"] < 0.5 * math.log(10), one
 
 
 @pytest.fixture(scope="module")
