@@ -131,8 +131,12 @@ def load_tokens(path: str | None = None, env: dict | None = None) -> list[TokenE
 # Fields a sweep over HTTP may not vary, nor any section that holds one: they say who owns a trial
 # and where it reads and writes. What code a trial may run is checked on every trial's spec instead.
 UNSWEEPABLE = ("name", "labels", "checkpoint.storage_root", "data.source")
+# Fields a sweep over HTTP may not set, though it may vary the section that holds them in values without them.
+SET_ONCE = ("model.init_from",)
 # The fields spec_problems reads: a sweep key that can change none of them cannot change its answer.
-ROLE_FIELDS = ("train_loop", "data.factory", "model.factory", "data.source")
+ROLE_FIELDS = ("train_loop", "data.factory", "model.factory", "data.source", "model.init_from")
+# The paths a tenant's job reads, each only under the tenant's prefix (or URIs the operator allows it)
+READ_PATHS = ("data.source", "model.init_from")
 
 
 def location_key(uri: str) -> str:
@@ -202,10 +206,17 @@ def policy_problems(role: str, data: dict, allowed_factories: Sequence[str], ten
             problems.append(f"sweep.space.{key}: not searchable over HTTP: it says (or holds what says) who owns "
                             "a trial or what it reads: set it once in the spec, and sweep the fields beside it")
             continue
+        values = next(iter(domain.values())) if isinstance(domain, dict) and len(domain) == 1 else None
+        values = values if isinstance(values, list) else []
+        set_here = [f for f in SET_ONCE if key == f or key.startswith(f + ".") or (f.startswith(key + ".") and any(
+            _get(v, f[len(key) + 1:]) is not None for v in values))]
+        if set_here:
+            problems.append(f"sweep.space.{key}: sets {set_here[0]}: not searchable over HTTP: it says what a trial "
+                            "reads: set it once in the spec, and sweep the fields beside it")
+            continue
         if not any(_overlaps(key, f) for f in ROLE_FIELDS):
             continue
-        values = next(iter(domain.values())) if isinstance(domain, dict) and len(domain) == 1 else None
-        for value in values if isinstance(values, list) else ():
+        for value in values:
             trial = spec_problems(role, trial_spec_view(base, key, value), allowed_factories, tenant_root, data_uris)
             new = [p for p in trial if p not in problems]
             if new:
@@ -229,12 +240,13 @@ def spec_problems(role: str, data: dict, allowed_factories: Sequence[str], tenan
         if ref is not None and not (isinstance(ref, str) and factory_allowed(ref, allowed_factories)):
             problems.append(f"{field}: {json.dumps(ref, default=str)[:200]}: not allowed for role 'user': "
                             f"the factories allowed are exactly: {allowed} (your operator sets the list)")
-    source = _get(data, "data.source")
-    if isinstance(source, str) and not source.startswith("builtin:") and not any(
-            is_under(in_tenant_data(source, tenant_root), r) for r in (tenant_root, *data_uris)):
-        problems.append(f"data.source: {json.dumps(source)[:300]}: outside your data: role 'user' "
-                        "reads only under its own storage prefix (give a path relative to it, e.g. "
-                        "'data/train.parquet') or URIs your operator allows")
+    for field, example in zip(READ_PATHS, ("data/train.parquet", "pretrained/model.safetensors")):
+        path = _get(data, field)
+        if isinstance(path, str) and not (field == "data.source" and path.startswith("builtin:")) and not any(
+                is_under(in_tenant_data(path, tenant_root), r) for r in (tenant_root, *data_uris)):
+            problems.append(f"{field}: {json.dumps(path)[:300]}: outside your data: role 'user' "
+                            "reads only under its own storage prefix (give a path relative to it, e.g. "
+                            f"'{example}') or URIs your operator allows")
     return problems
 
 

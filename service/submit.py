@@ -133,9 +133,10 @@ class Submitter:
         over = limit_problems_of(who.role, specs, limits)
         if over:
             raise Forbidden(over)
-        section = run.get("data")
-        if isinstance(section, dict) and isinstance(section.get("source"), str):
-            run["data"] = dict(section, source=in_tenant_data(section["source"], troot.uri))
+        for name_of_section, key in (("data", "source"), ("model", "init_from")):
+            section = run.get(name_of_section)
+            if isinstance(section, dict) and isinstance(section.get(key), str):
+                run[name_of_section] = dict(section, **{key: in_tenant_data(section[key], troot.uri)})
         return Checked(name, run, slots, footprint)
 
     def limits_of_record(self, record: Record, role: str) -> list[str]:

@@ -20,6 +20,7 @@ EXAMPLES = """examples:
   etrain run configs/lm.yaml --set distributed.num_workers=1 --set checkpoint.storage_root=s3://bucket/runs
   etrain demo
   etrain sweep configs/sweep.yaml
+  etrain export configs/quickstart.yaml --format pt
 
 A job's name and storage root identify it: running the same spec again resumes it from
 its latest verified checkpoint. Exit codes: 0 reached the target step, 1 failed,
@@ -87,6 +88,23 @@ def print_summary(s: dict) -> None:
         print(f"[etrain] error: {s['error']}")
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    try:
+        spec = load_spec(args.spec, args.overrides)
+    except SpecError as exc:
+        print(exc.render(f"job spec {args.spec}"), file=sys.stderr)
+        return 2
+    from trainers.export import ExportError, export_weights
+
+    try:
+        uri = export_weights(spec, step=args.step, fmt=args.format)
+    except ExportError as exc:
+        print(f"[etrain] error: {exc}", file=sys.stderr)
+        return 1
+    print(uri)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     spec = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
     print(f"[etrain] demo: training {spec.name} on a local Ray (2 gloo DDP workers, local storage)")
@@ -112,6 +130,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
                          epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(run)
     run.set_defaults(fn=cmd_run)
+    export = sub.add_parser(
+        "export", help="write the model weights of a job's newest (or given) verified checkpoint to "
+                       "<job folder>/exported/ and print the file's URI",
+        description="The model's state dict alone (no optimizer or loop state), loadable with safetensors' "
+                    "load_file or torch.load, and by another job's model.init_from.")
+    export.add_argument("spec", help="the job's spec file: its name and storage root say which job")
+    export.add_argument("--step", type=int, default=None, metavar="N",
+                        help="export the checkpoint at step N (default: the newest verified one)")
+    export.add_argument("--format", choices=["safetensors", "pt"], default="safetensors",
+                        help="safetensors (default: no pickle) or pt (torch.save)")
+    export.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a spec field, as for run (e.g. checkpoint.storage_root=s3://bucket/runs)")
+    export.set_defaults(fn=cmd_export)
     demo = sub.add_parser("demo", help="run the quickstart job locally and say where its checkpoints went")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     demo.add_argument("-v", "--verbose", action="store_true", help="also show Ray's own log lines")

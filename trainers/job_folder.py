@@ -33,6 +33,10 @@ TENSORBOARD_DIR = "tensorboard"
 PROFILES_DIR = "profiles"  # torch profiler traces
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's own record in the checkpoints' folder
 SWEEP_RESULTS_FILE = "results.json"  # a sweep's folder: every trial's values, status and metrics
+EXPORTED_DIR = "exported"  # `etrain export`: the model's weights out of a checkpoint, for other tools
+EXPORTED_SAFETENSORS_FILE = "model.safetensors"  # in EXPORTED_DIR: the state dict, no pickle
+EXPORTED_PT_FILE = "model.pt"  # in EXPORTED_DIR: the state dict, torch.save'd
+EXPORTED_FILES = {"safetensors": EXPORTED_SAFETENSORS_FILE, "pt": EXPORTED_PT_FILE}  # by `etrain export --format`
 
 
 def read_interruptions(root: StorageRoot, job: str) -> list[dict]:

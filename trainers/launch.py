@@ -32,6 +32,7 @@ from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint_files as ckpt
 from trainers.config.errors import SpecError
 from trainers.config.job import JobSpec
+from trainers.init_weights import InitFromError, absolute, check_exists
 from trainers.job_folder import JOB_FILE, RAY_SNAPSHOT_FILE, SUMMARY_FILE, JobHome, job_home, read_interruptions
 from trainers.recovery import StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV
@@ -94,7 +95,20 @@ def preflight(spec: JobSpec) -> StorageRoot:
         data_root = open_root(src.rsplit("/", 1)[0] or "/")
         if not data_root.exists(src.rsplit("/", 1)[1] or "."):
             raise SpecError([f"data.source: {src!r}: not found: check the path or the bucket"])
+    if spec.model.init_from:
+        try:
+            check_exists(spec.model.init_from)
+        except InitFromError as exc:
+            raise SpecError([str(exc)]) from None
     return root
+
+
+def with_absolute_paths(spec: JobSpec) -> JobSpec:
+    """The spec the workers get: a relative ``model.init_from`` read from the directory the job
+    is launched in (a worker's own directory is elsewhere)."""
+    if not spec.model.init_from or absolute(spec.model.init_from) == spec.model.init_from:
+        return spec
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"init_from": absolute(spec.model.init_from)})})
 
 
 def build_trainer(spec: JobSpec, home: JobHome, runtime: Runtime, data_uri: str,
@@ -157,6 +171,7 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, callbacks: tuple = (
     """
     started = time.time()
     root = preflight(spec)
+    spec = with_absolute_paths(spec)
     home = job_home(spec)
     if not callbacks and not spec.train_loop and stop_at_step is None and spec.training.max_steps:
         metrics, checkpoint_uri, _ = latest_metrics(home)

@@ -37,6 +37,7 @@ from trainers.config.batching import batching_summary
 from trainers.config.job import JobSpec
 from trainers.console import progress_text
 from trainers.data import Feed, StepMicroBatches, accounting
+from trainers.init_weights import load_into
 from trainers.job_folder import read_interruptions
 from trainers.model_ops import autocast_for, build_optimizer, lr_scheduler, params_in_sync, seed_generators, unwrap
 from trainers.observe import Observer, group_kinds
@@ -110,6 +111,8 @@ class Trainer:
         self.autocast = autocast_for(self.device, precision)
         # rank 0: the checkpoint folders storage held at restore (the writer clears only those)
         self.start, self.restored, self.folders_found = self.restore()
+        if self.start == 0 and spec.model.init_from and self.rank == 0:  # DDP hands rank 0's weights to the rest
+            load_into(self.model, spec.model.init_from)
         self.model = self.distribute(self.model)
         self.batching = first_batching(spec, self.world, self.restored.get("batching") or {})
         self.steps, self.feed = self.open_loader(self.start, tuned=self.restored.get("loader"))

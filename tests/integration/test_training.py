@@ -205,6 +205,36 @@ def test_resume_is_bit_exact_and_retention_and_staging_never_break_it(unbroken, 
     assert any("is done: its newest verified checkpoint is at step 40" in line for line in said), said
 
 
+def test_a_job_starts_from_another_jobs_weights_and_resumes_from_its_own(unbroken, tmp_path):
+    """model.init_from naming the unbroken job's last checkpoint: the new job's first loss is the
+    trained model's, not a random one's (about ln 10). Stopped and run again, it resumes from its
+    own checkpoint and never reads the weights it started from: they are torn by then."""
+    from trainers.history import read_history
+
+    root, name, code, whole = unbroken
+    assert code == EXIT_OK, whole
+    pretrained = tmp_path / "pretrained" / ckpt.dir_name(40)
+    shutil.copytree(root / name / "checkpoints" / ckpt.dir_name(40), pretrained)
+    spec = digits_spec(tmp_path, "finetune", max_steps=4, log_interval_steps=1)
+    spec.model.init_from = str(pretrained)
+    spec.checkpoint.min_interval_s = 0
+    code, part = run_job(spec, stop_at_step=2)
+    assert code == EXIT_STOPPED and part["final_step"] == 2, part
+    first = {r["step"]: r for r in read_history(open_root(str(tmp_path)), "finetune")}[1]["loss"]
+    assert first < 0.5 * math.log(10), (first, whole["final_loss"])
+    (pretrained / "model_40.pt").write_bytes(b"torn")
+    code, rest = run_job(spec)
+    assert code == EXIT_OK and rest["final_step"] == 4, rest
+    rows = {r["step"]: r for r in read_history(open_root(str(tmp_path)), "finetune")}
+    assert rows[3]["time"] > rows[2]["time"] and rows[4]["loss"] < 0.5 * math.log(10), rows
+    # One worker (no DDP to broadcast): rank 0 alone loads them, from the first job's checkpoints folder
+    alone = digits_spec(tmp_path, "alone", max_steps=1, log_interval_steps=1)
+    alone.distributed.num_workers = 1
+    alone.model.init_from = str(root / name / "checkpoints")
+    code, one = run_job(alone)
+    assert code == EXIT_OK and one["final_loss"] < 0.5 * math.log(10), one
+
+
 @pytest.fixture(scope="module")
 def on_s3(ray_local, s3_server) -> dict:
     """The digits job on S3 (no dropout: its masks follow (step, rank), and a rank holds other

@@ -83,6 +83,23 @@ POLICY = [
     ("user", {"data": {"source": "file:///srv/etrain/tenants/team-a/..%2fteam-b/d.parquet"}}, "outside your data"),
     ("user", {"data": {"source": "s3://shared-data/public/%2E%2E/private/x.parquet"}}, "outside your data"),
     ("user", {"data": {"source": "file:///srv/etrain/tenants/team-a/data%20set/d.parquet"}}, None),
+    # pretrained weights: read like data, only under the tenant's prefix (or URIs the operator allows)
+    ("user", {"model": {"init_from": "pretrained/w.safetensors"}}, None),
+    ("user", {"model": {"init_from": "/srv/etrain/tenants/team-a/jobs/j-1/checkpoints"}}, None),
+    ("user", {"model": {"init_from": "s3://shared-data/public/bert.pt"}}, None),
+    ("user", {"model": {"init_from": "/srv/etrain/tenants/team-b/jobs/j-2/checkpoints"}},
+     "model.init_from: \"/srv/etrain/tenants/team-b/jobs/j-2/checkpoints\": outside your data: role 'user' reads "
+     "only under its own storage prefix (give a path relative to it, e.g. 'pretrained/model.safetensors') or URIs "
+     "your operator allows"),
+    ("user", {"model": {"init_from": "../team-b/w.pt"}}, "model.init_from: \"../team-b/w.pt\": outside your data"),
+    ("user", {"model": {"init_from": "s3://other/w.pt"}}, "model.init_from: \"s3://other/w.pt\": outside your data"),
+    ("user", {"model": {"init_from": "file:///srv/etrain/tenants/team-a/%2e%2e/team-b/w.pt"}}, "outside your data"),
+    ("code", {"model": {"init_from": "/anywhere/w.pt"}}, None),
+    ("user", {"sweep": {"space": {"model.init_from": {"choice": ["a.pt", "b.pt"]}}}},
+     "sweep.space.model.init_from: sets model.init_from: not searchable over HTTP"),
+    ("code", {"sweep": {"space": {"model": {"choice": [{"hidden_size": 8}, {"init_from": "a.pt"}]}}}},
+     "sweep.space.model: sets model.init_from: not searchable over HTTP"),
+    ("user", {"model": {"init_from": "w.pt"}, "sweep": {"space": {"model": {"choice": [{"hidden_size": 8}]}}}}, None),
     ("user", {"sweep": {"space": {"labels.tenant": {"choice": ["b"]}}}}, "sweep.space.labels.tenant: not searchable"),
     ("user", {"sweep": {"space": {"data.factory": {"choice": ["userpkg:x", "subprocess:run"]}}}},
      "sweep.space.data.factory: \"subprocess:run\": data.factory: \"subprocess:run\": not allowed for role 'user'"),

@@ -60,6 +60,28 @@ def test_missing_user_data_is_refused_before_ray(tmp_path):
     assert info.value.problems[0].startswith(f"data.source: '{tmp_path}/train.parquet': not found")
 
 
+def test_missing_pretrained_weights_are_refused_before_ray(tmp_path):
+    from trainers.launch import preflight
+
+    spec = validate({"model": {"init_from": str(tmp_path / "w.safetensors")},
+                     "checkpoint": {"storage_root": str(tmp_path / "root")}})
+    with pytest.raises(SpecError) as info:
+        preflight(spec)
+    assert info.value.problems == [f"model.init_from: '{tmp_path}/w.safetensors': not found: check the path or the "
+                                   "bucket (a relative path is read from the directory you launch in)"]
+
+
+def test_relative_pretrained_weights_reach_the_workers_as_an_absolute_path(tmp_path, monkeypatch):
+    from trainers.launch import with_absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    spec = validate({"model": {"init_from": "weights/w.pt"}})
+    assert with_absolute_paths(spec).model.init_from == str(tmp_path / "weights" / "w.pt")
+    assert spec.model.init_from == "weights/w.pt", "the caller's spec is left as it was"
+    on_s3 = validate({"model": {"init_from": "s3://models/w.pt"}})
+    assert with_absolute_paths(on_s3) is on_s3
+
+
 @pytest.mark.parametrize("metrics,max_steps,done", [
     ({"step": 12, "target_step": 12}, 12, True),
     ({"step": 12, "target_step": 12}, 20, False),  # max_steps raised: train on

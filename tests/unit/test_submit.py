@@ -30,6 +30,8 @@ ALICE = Principal(tenant="alice", role="user")
     ({"data": {"source": "../bob/x.parquet"}}, Forbidden, '"../bob/x.parquet": outside your data'),
     ({"sweep": {"space": {"model": {"choice": [{"factory": "os:system"}]}}}}, Forbidden, '"os:system": not allowed'),
     ({"data": {"source": "data/x.csv"}}, SpecError, 'data.source: "data/x.csv": must be a .parquet file'),
+    ({"model": {"init_from": "/etc/w.pt"}}, Forbidden, 'model.init_from: "/etc/w.pt": outside your data'),
+    ({"model": {"init_from": "gs://b/w.pt"}}, Forbidden, 'model.init_from: "gs://b/w.pt": outside your data'),
 ])
 def test_refusals_echo_the_spec_as_given_never_the_servers_paths(tmp_path, spec, error, echoed):
     mgr = manager(tmp_path)
@@ -44,6 +46,12 @@ def test_a_relative_source_runs_from_the_tenants_prefix(tmp_path):
     mgr = manager(tmp_path)
     run = mgr.submitter.check_spec("job", {"data": {"source": "data/x.parquet"}}, ALICE, "j-000000000000").run
     assert run["data"]["source"] == str(tmp_path / "root" / "tenants" / "alice" / "data" / "x.parquet")
+
+
+def test_relative_pretrained_weights_run_from_the_tenants_prefix(tmp_path):
+    mgr = manager(tmp_path)
+    run = mgr.submitter.check_spec("job", {"model": {"init_from": "jobs/j-1/checkpoints"}}, ALICE, "j-000000000000").run
+    assert run["model"]["init_from"] == str(tmp_path / "root" / "tenants" / "alice" / "jobs" / "j-1" / "checkpoints")
 
 
 def test_a_grid_search_over_choices_counts_every_combination_against_the_trial_cap(tmp_path):

@@ -65,3 +65,15 @@ def test_optuna_suggests_values_inside_the_space():
         assert config["training.batch_size"] in (0, 1) and config["data.num_workers"] in (0, 1, 2)
         assert trial_values(sweep.space, config)["training.batch_size"] in (32, 64)
         searcher.on_trial_complete(f"t{i}", {"loss": 1.0 / (i + 1), "training_iteration": 1})
+
+
+def test_trials_get_pretrained_weights_as_an_absolute_path(tmp_path, monkeypatch):
+    """Each trial runs in a directory of its own: a relative model.init_from is read from the sweep's."""
+    from trainers.sweep.spec import plan_from_data
+    from trainers.sweep.tune_run import trials_base
+
+    monkeypatch.chdir(tmp_path)
+    plan = plan_from_data({"model": {"init_from": "w.pt", "hidden_size": 8},
+                           "sweep": {"space": {"training.seed": {"choice": [1, 2]}}}}, "sweep")
+    assert trials_base(plan)["model"] == {"init_from": str(tmp_path / "w.pt"), "hidden_size": 8}
+    assert plan.base["model"]["init_from"] == "w.pt"

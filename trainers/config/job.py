@@ -271,6 +271,18 @@ class ModelConfig(FactoryFields):
     n_heads: int = Field(4, gt=0)
     max_seq_len: int = Field(256, gt=1)
     dropout: float = Field(0.0, ge=0, lt=1)
+    init_from: str | None = Field(
+        None, description="pretrained weights for step 0 (a resume starts from the job's own checkpoint): a state "
+                          "dict .pt/.pth/.bin, a Lightning .ckpt, .safetensors, a job's checkpoint_<step> folder or "
+                          "its checkpoints folder (the newest verified); a local path or s3:// URI")
+
+    @field_validator("init_from")
+    @classmethod
+    def _weights_uri(cls, v: str | None) -> str | None:
+        problem = None if v is None else check_uri(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
@@ -341,6 +353,9 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         )
     if spec.model.factory and not (spec.data.factory or (spec.data.source and not spec.data.source.startswith("builtin:"))):
         problems.append("model.factory: set: needs its own data: set data.factory or a Parquet data.source")
+    if spec.model.init_from and spec.train_loop:
+        problems.append(f"model.init_from: {spec.model.init_from!r}: not used by your own train_loop: load the "
+                        "weights in your loop, or drop train_loop to use ours")
     return problems
 
 

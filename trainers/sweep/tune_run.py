@@ -96,6 +96,17 @@ def verify_tune_state(fs, experiment: str) -> None:
                          "sweep anew under another name"]) from None
 
 
+def trials_base(plan: SweepPlan) -> dict:
+    """The base spec the trials get: a relative ``model.init_from`` read from the directory the
+    sweep is launched in (each trial runs in a directory of its own)."""
+    from trainers.init_weights import absolute
+
+    model = plan.base.get("model")
+    if not (isinstance(model, dict) and isinstance(model.get("init_from"), str)):
+        return plan.base
+    return {**plan.base, "model": {**model, "init_from": absolute(model["init_from"])}}
+
+
 def run_sweep(plan: SweepPlan, resume: bool = False) -> tuple[int, dict]:
     """Run (or resume) a sweep to the end; write results.json and best.yaml; return (exit code, report)."""
     import ray
@@ -131,7 +142,7 @@ def run_sweep(plan: SweepPlan, resume: bool = False) -> tuple[int, dict]:
                         "for workers", s.max_concurrent_trials, d.max_workers, fits, cpus)
         data_uri = prepare_data(plan.spec, jobs)  # once, before trials race to make it
         trainable = tune.with_resources(
-            tune.with_parameters(run_trial, base=plan.base, space=s.space, jobs_uri=jobs.uri, data_uri=data_uri),
+            tune.with_parameters(run_trial, base=trials_base(plan), space=s.space, jobs_uri=jobs.uri, data_uri=data_uri),
             # A trial's driver only waits on its TorchTrainer, whose workers hold the real resources
             # (Tune refuses an empty request).
             {"cpu": TRIAL_DRIVER_CPU})
