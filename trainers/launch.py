@@ -182,7 +182,7 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, callbacks: tuple = (
                                                       callbacks, submitted_at)
         c = spec.checkpoint  # the loop prunes as it goes; the last async uploads land after it stops
         ckpt.prune(home.root.fs, home.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
-        summary = write_summary(spec, home, metrics, checkpoint_uri, error, started,
+        summary = write_summary(spec, home, metrics, checkpoint_uri, error, started, text=text_data(spec, data_uri),
                                 interruptions=[r for r in read_interruptions(home.root, home.job) if r.get("run_id") == run_id])
     finally:
         restore_signals()
@@ -193,10 +193,13 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, callbacks: tuple = (
 
 
 def write_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_uri: str | None,
-                  error: BaseException | None, started: float, interruptions: list[dict]) -> dict:
-    """The run's summary, with this run's interruptions, written to <job>/summary.json."""
+                  error: BaseException | None, started: float, interruptions: list[dict], text: dict | None = None) -> dict:
+    """The run's summary, with this run's interruptions (and a model.hf job's tokenized text), written
+    to <job>/summary.json."""
     summary = make_summary(spec, home, metrics, checkpoint_uri, error, time.time() - started)
     summary["interruptions"] = interruptions
+    if text:
+        summary["text_data"] = text
     home.root.write_json(summary, home.job, SUMMARY_FILE)
     return summary
 
@@ -321,6 +324,16 @@ def resume_point(home: JobHome) -> tuple[dict, str | None]:
         log.warning(f"could not read the newest checkpoint for the summary ({type(exc).__name__}: {exc})")
         return {}, None
     return (dict(complete[-1]["metrics"]), complete[-1]["path"]) if complete else ({}, None)
+
+
+def text_data(spec: JobSpec, data_uri: str) -> dict | None:
+    """A model.hf job's tokenized text: where, how many rows and tokens, and the padding fraction."""
+    if not spec.model.hf:
+        return None
+    from trainers.data.text import read_meta
+
+    meta = read_meta(data_uri)
+    return {"uri": data_uri, **{k: meta[k] for k in ("texts", "rows", "tokens", "padding_fraction")}}
 
 
 def make_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_path: str | None,
