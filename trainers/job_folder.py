@@ -31,6 +31,7 @@ COST_FILE = "cost.json"  # the run's cost segments, one per attempt
 HISTORY_DIR = "metrics"  # the metrics history, JSON Lines files by step range
 TENSORBOARD_DIR = "tensorboard"
 PROFILES_DIR = "profiles"  # torch profiler traces
+EXPORTED_DIR = "exported"  # a model.hf job's trained model and tokenizer, as save_pretrained writes them
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's own record in the checkpoints' folder
 SWEEP_RESULTS_FILE = "results.json"  # a sweep's folder: every trial's values, status and metrics
 

@@ -32,7 +32,8 @@ from cluster.storage import StorageRoot, open_root
 from trainers import checkpoint_files as ckpt
 from trainers.config.errors import SpecError
 from trainers.config.job import JobSpec
-from trainers.job_folder import JOB_FILE, RAY_SNAPSHOT_FILE, SUMMARY_FILE, JobHome, job_home, read_interruptions
+from trainers.job_folder import (EXPORTED_DIR, JOB_FILE, RAY_SNAPSHOT_FILE, SUMMARY_FILE, JobHome, job_home,
+                                 read_interruptions)
 from trainers.recovery import StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV
 from trainers.workloads.datasets import prepare_data
@@ -182,7 +183,9 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, callbacks: tuple = (
                                                       callbacks, submitted_at)
         c = spec.checkpoint  # the loop prunes as it goes; the last async uploads land after it stops
         ckpt.prune(home.root.fs, home.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
-        summary = write_summary(spec, home, metrics, checkpoint_uri, error, started, text=text_data(spec, data_uri),
+        extra = {"text_data": text_data(spec, data_uri),
+                 "exported_model": export_hf(spec, home, checkpoint_uri) if error is None else None}
+        summary = write_summary(spec, home, metrics, checkpoint_uri, error, started, extra=extra,
                                 interruptions=[r for r in read_interruptions(home.root, home.job) if r.get("run_id") == run_id])
     finally:
         restore_signals()
@@ -193,13 +196,12 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, callbacks: tuple = (
 
 
 def write_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_uri: str | None,
-                  error: BaseException | None, started: float, interruptions: list[dict], text: dict | None = None) -> dict:
-    """The run's summary, with this run's interruptions (and a model.hf job's tokenized text), written
-    to <job>/summary.json."""
+                  error: BaseException | None, started: float, interruptions: list[dict], extra: dict | None = None) -> dict:
+    """The run's summary, with this run's interruptions (and ``extra``: a model.hf job's tokenized text
+    and exported model), written to <job>/summary.json."""
     summary = make_summary(spec, home, metrics, checkpoint_uri, error, time.time() - started)
     summary["interruptions"] = interruptions
-    if text:
-        summary["text_data"] = text
+    summary.update({k: v for k, v in (extra or {}).items() if v is not None})
     home.root.write_json(summary, home.job, SUMMARY_FILE)
     return summary
 
@@ -334,6 +336,16 @@ def text_data(spec: JobSpec, data_uri: str) -> dict | None:
 
     meta = read_meta(data_uri)
     return {"uri": data_uri, **{k: meta[k] for k in ("texts", "rows", "tokens", "padding_fraction")}}
+
+
+def export_hf(spec: JobSpec, home: JobHome, checkpoint_path: str | None) -> str | None:
+    """A model.hf job's last checkpoint saved with save_pretrained in <job>/exported/ (its URI)."""
+    if not spec.model.hf or not checkpoint_path:
+        return None
+    from trainers.workloads.hf import export_pretrained
+
+    state = ckpt.load_state(home.root.fs, checkpoint_path)
+    return export_pretrained(spec, state["model"], home.root, home.job, EXPORTED_DIR)
 
 
 def make_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_path: str | None,

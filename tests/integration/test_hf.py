@@ -58,6 +58,13 @@ def test_a_classifier_fine_tunes_on_two_workers_to_high_held_out_accuracy(ray_lo
     log.info("hf classifier on 2 workers: held-out accuracy %.3f, final loss %.3f", accuracy, summary["final_loss"])
     assert accuracy >= 0.9, (accuracy, summary)
     assert summary["text_data"]["rows"] == 1024
+    # the exported folder is the last checkpoint's model, loaded as any Hugging Face model
+    exported = AutoModelForSequenceClassification.from_pretrained(summary["exported_model"], local_files_only=True)
+    exported.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(**enc).logits, model(**enc).logits)
+    assert AutoTokenizer.from_pretrained(summary["exported_model"], local_files_only=True)("good")["input_ids"] == \
+        AutoTokenizer.from_pretrained(str(folder), local_files_only=True)("good")["input_ids"]
 
 
 def test_a_causal_lm_trains_on_packed_rows_on_two_workers(ray_local, tmp_path):

@@ -150,3 +150,24 @@ def test_a_causal_lm_learns_from_packed_rows(tmp_path, lm_folder):
     _, _, src, losses = train_in_process(spec, steps=60, lr=3e-3, batch=16)
     assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:5]), losses
     assert (src.lengths[:-1] == 32).all()  # packed: every row full but the last
+
+
+def test_the_trained_model_is_exported_as_a_folder_from_pretrained_loads(tmp_path, cls_folder):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from trainers.workloads.hf import export_pretrained
+
+    spec = spec_for(tmp_path, cls_folder, "sequence_classification", tmp_path / "r.parquet", max_seq_len=64)
+    model = resolve(spec).build_model(spec)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # "trained": not the folder's weights
+    root = open_root(str(tmp_path / "st"))
+    uri = export_pretrained(spec, model.state_dict(), root, "job", "exported")
+    assert uri == root.uri_of("job", "exported")
+    loaded = AutoModelForSequenceClassification.from_pretrained(uri, local_files_only=True).eval()
+    enc = AutoTokenizer.from_pretrained(uri, local_files_only=True)(["good dog", "the sad cat sat"], padding=True,
+                                                                    return_tensors="pt")
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**enc).logits, model(**enc).logits)

@@ -18,6 +18,8 @@ update is the same whatever the world size and the split into micro-batches:
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -89,3 +91,28 @@ def causal_lm_loss_sum(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tens
     per_token = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), target.reshape(-1),
                                 ignore_index=IGNORE, reduction="sum")
     return per_token / positions
+
+
+def export_pretrained(spec: JobSpec, state: dict, root: StorageRoot, *parts: str) -> str:
+    """The trained weights ``state`` in the model's own class, saved with the tokenizer by
+    ``save_pretrained`` under ``parts`` of ``root`` (local or S3): a folder ``from_pretrained`` loads.
+    The URI of that folder."""
+    from trainers.data.text import load_tokenizer
+
+    hf = spec.model.hf
+    model = HFWorkload(hf.task, spec.model.max_seq_len).build_model(spec)
+    if spec.training.gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+    model.load_state_dict(state)
+    model.config.use_cache = True  # for generation, once loaded
+    tokenizer = load_tokenizer(local_folder(hf.tokenizer or hf.path, "model.hf.tokenizer" if hf.tokenizer
+                                            else "model.hf.path", weights=False))
+    with tempfile.TemporaryDirectory(prefix="etrain-export-") as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for path in sorted(Path(tmp).rglob("*")):
+            if path.is_file():
+                root.write_bytes(path.read_bytes(), *parts, path.relative_to(tmp).as_posix())
+    uri = root.uri_of(*parts)
+    log.info("exported the trained model and its tokenizer (save_pretrained): %s", uri)
+    return uri
