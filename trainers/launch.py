@@ -335,7 +335,8 @@ def text_data(spec: JobSpec, data_uri: str) -> dict | None:
     from trainers.data.text import read_meta
 
     meta = read_meta(data_uri)
-    return {"uri": data_uri, **{k: meta[k] for k in ("texts", "rows", "tokens", "padding_fraction")}}
+    return {"uri": data_uri, **{k: meta[k] for k in ("texts", "rows", "tokens", "mean_length", "padding_fraction")
+                                if k in meta}}
 
 
 def export_hf(spec: JobSpec, home: JobHome, checkpoint_path: str | None) -> str | None:

@@ -59,7 +59,7 @@ def test_causal_text_is_packed_into_full_rows_and_cached(tmp_path, lm_folder, ca
         uri = prepare_text(spec, root)
     meta = read_meta(uri)
     assert meta["padding_fraction"] < 0.01, meta  # only the last row may be short
-    assert "padding" in caplog.text and "tokenized 300 texts" in caplog.text
+    assert "packed, padding 0." in caplog.text and "tokenized 300 texts" in caplog.text
     table = pq.read_table(ParquetFiles(uri).paths[0])
     lengths = [len(r) for r in table.column("input_ids").to_pylist()]
     assert set(lengths[:-1]) == {32} and meta["rows"] == len(lengths)
@@ -112,6 +112,7 @@ def test_classification_rows_keep_their_lengths_and_labels(tmp_path, cls_folder)
     meta = read_meta(uri)
     src = TextSource(ParquetFiles(uri), meta["pad_id"], 64, label="label")
     assert len(src) == 200 and len(set(src.lengths.tolist())) > 5  # varied: dynamic batching buckets them
+    assert "padding_fraction" not in meta and meta["mean_length"] == src.lengths.mean()
     ids = np.array([3, 0, 150, 7])
     [mb] = list(src.fetch(ids, [4], []))
     labels = pq.read_table(source).column("stars").to_numpy()

@@ -253,8 +253,7 @@ def prepare_text(spec: JobSpec, root: StorageRoot) -> str:
     rel = posixpath.join(CACHE_DIR, cache_key(folder_digest(folder), files, settings))
     if root.exists(rel, META_FILE):
         meta = root.read_json(rel, META_FILE)
-        log.info("tokenized text found (%s rows, padding %.2f%%): %s", meta["rows"], 100 * meta["padding_fraction"],
-                 root.uri_of(rel))
+        log.info("tokenized text found (%s rows, %s): %s", meta["rows"], layout(meta), root.uri_of(rel))
         return root.uri_of(rel) + "/"
     tokenizer = load_tokenizer(folder)
     totals = {"texts": 0, "rows": 0, "tokens": 0}
@@ -265,18 +264,23 @@ def prepare_text(spec: JobSpec, root: StorageRoot) -> str:
     if not totals["rows"]:
         raise ValueError(f"data.source: {spec.data.source!r}: no text in column {spec.data.columns.text!r}: "
                          "every row is empty; check data.columns.text")
-    positions = totals["rows"] * spec.model.max_seq_len
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
         eos_id(tokenizer, hf.path) if hf.task == "causal_lm" else 0)
     meta = {**totals, **settings, "version": CACHE_VERSION, "pad_id": int(pad), "source": spec.data.source,
-            "tokenizer": hf.tokenizer or hf.path,
-            # packed rows: the share of positions that hold padding; by text: what a fixed max_seq_len would pad
-            "padding_fraction": 1 - totals["tokens"] / positions}
+            "tokenizer": hf.tokenizer or hf.path, "mean_length": totals["tokens"] / totals["rows"]}
+    if hf.task == "causal_lm":  # packed rows: the share of their positions that hold padding
+        meta["padding_fraction"] = 1 - totals["tokens"] / (totals["rows"] * spec.model.max_seq_len)
     root.write_json(meta, rel, META_FILE)  # last: its presence says the folder is complete
-    log.info("tokenized %d texts from %s into %d rows of up to %d tokens (%d tokens, padding %.2f%%): %s",
-             totals["texts"], spec.data.source, totals["rows"], spec.model.max_seq_len, totals["tokens"],
-             100 * meta["padding_fraction"], root.uri_of(rel))
+    log.info("tokenized %d texts from %s into %d rows of up to %d tokens (%d tokens, %s): %s", totals["texts"],
+             spec.data.source, totals["rows"], spec.model.max_seq_len, totals["tokens"], layout(meta), root.uri_of(rel))
     return root.uri_of(rel) + "/"
+
+
+def layout(meta: dict) -> str:
+    """How the rows fill their positions, for the log: packed rows' padding, or texts' mean length."""
+    if "padding_fraction" in meta:
+        return f"packed, padding {100 * meta['padding_fraction']:.2f}%"
+    return f"a row per text, mean length {meta['mean_length']:.1f}: dynamic_batching buckets them by length"
 
 
 def read_meta(data_uri: str) -> dict:
