@@ -252,7 +252,7 @@ class DataConfig(FactoryFields):
         if problem:
             raise ValueError(problem)
         if not v.rstrip("/").endswith(TEXT_SUFFIXES) and not v.endswith("/"):
-            raise ValueError("must be a .parquet (or, for model.hf, .jsonl) file or a folder ending in '/'")
+            raise ValueError("must be a .parquet file (or, for model.hf, a .jsonl one) or a folder ending in '/'")
         return v
 
     @field_validator("num_workers", mode="before")
