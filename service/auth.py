@@ -132,7 +132,7 @@ def load_tokens(path: str | None = None, env: dict | None = None) -> list[TokenE
 # and where it reads and writes. What code a trial may run is checked on every trial's spec instead.
 UNSWEEPABLE = ("name", "labels", "checkpoint.storage_root", "data.source")
 # The fields spec_problems reads: a sweep key that can change none of them cannot change its answer.
-ROLE_FIELDS = ("train_loop", "data.factory", "model.factory", "data.source")
+ROLE_FIELDS = ("train_loop", "data.factory", "model.factory", "data.source", "model.hf")
 
 
 def location_key(uri: str) -> str:
@@ -235,6 +235,13 @@ def spec_problems(role: str, data: dict, allowed_factories: Sequence[str], tenan
         problems.append(f"data.source: {json.dumps(source)[:300]}: outside your data: role 'user' "
                         "reads only under its own storage prefix (give a path relative to it, e.g. "
                         "'data/train.parquet') or URIs your operator allows")
+    for field in ("model.hf.path", "model.hf.tokenizer"):
+        folder = _get(data, field)
+        if isinstance(folder, str) and not (("://" in folder or folder.startswith("/")) and any(
+                is_under(folder, r) for r in (tenant_root, *data_uris))):
+            problems.append(f"{field}: {json.dumps(folder)[:300]}: outside your data: role 'user' loads models only "
+                            "from a full URI or absolute path under its own storage prefix or URIs your operator "
+                            "allows")
     return problems
 
 
