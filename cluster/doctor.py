@@ -7,6 +7,7 @@ storage root writable. Each finding says what to do. Exit code 1 on a blocking p
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -160,8 +161,22 @@ def check_storage(uri: str) -> Finding:
     return Finding("ok", f"storage root {uri} is writable")
 
 
+HF_PACKAGES = ("transformers", "tokenizers")
+
+
+def check_hf(find=importlib.util.find_spec) -> Finding:
+    """The Hugging Face packages ``model.hf`` needs: a warning only, other jobs run without them."""
+    missing = [name for name in HF_PACKAGES if find(name) is None]
+    if missing:
+        return Finding("warn", f"{' and '.join(missing)} not installed: jobs with model.hf cannot run here",
+                       "pip install transformers==5.23.0 tokenizers==0.23.3 (pinned in pyproject.toml)")
+    from importlib.metadata import version
+
+    return Finding("ok", ", ".join(f"{name} {version(name)}" for name in HF_PACKAGES))
+
+
 def run_checks(storage_uri: str, address: str | None) -> list[Finding]:
-    return [check_python(), *check_torch(), *check_ray(address), check_storage(storage_uri)]
+    return [check_python(), *check_torch(), check_hf(), *check_ray(address), check_storage(storage_uri)]
 
 
 def render(findings: list[Finding]) -> str:

@@ -134,7 +134,7 @@ UNSWEEPABLE = ("name", "labels", "checkpoint.storage_root", "data.source")
 # Fields a sweep over HTTP may not set, though it may vary the section that holds them in values without them.
 SET_ONCE = ("model.init_from",)
 # The fields spec_problems reads: a sweep key that can change none of them cannot change its answer.
-ROLE_FIELDS = ("train_loop", "data.factory", "model.factory", "data.source", "model.init_from")
+ROLE_FIELDS = ("train_loop", "data.factory", "model.factory", "data.source", "model.init_from", "model.hf")
 # The paths a tenant's job reads, each only under the tenant's prefix (or URIs the operator allows it)
 READ_PATHS = ("data.source", "model.init_from")
 
@@ -247,6 +247,13 @@ def spec_problems(role: str, data: dict, allowed_factories: Sequence[str], tenan
             problems.append(f"{field}: {json.dumps(path)[:300]}: outside your data: role 'user' "
                             "reads only under its own storage prefix (give a path relative to it, e.g. "
                             f"'{example}') or URIs your operator allows")
+    for field in ("model.hf.path", "model.hf.tokenizer"):
+        folder = _get(data, field)
+        if isinstance(folder, str) and not (("://" in folder or folder.startswith("/")) and any(
+                is_under(folder, r) for r in (tenant_root, *data_uris))):
+            problems.append(f"{field}: {json.dumps(folder)[:300]}: outside your data: role 'user' loads models only "
+                            "from a full URI or absolute path under its own storage prefix or URIs your operator "
+                            "allows")
     return problems
 
 

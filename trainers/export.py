@@ -75,12 +75,17 @@ def serialized(weights: dict, fmt: str, metadata: dict[str, str]) -> bytes:
 
 def export_weights(spec: JobSpec, step: int | None = None, fmt: str = "safetensors") -> str:
     """Write the model weights of the job's newest verified checkpoint (or the one at ``step``) to
-    ``<job folder>/exported/`` and return the file's URI. ExportError when there is none."""
+    ``<job folder>/exported/`` and return the file's URI (a ``model.hf`` job: save_pretrained's folder,
+    whatever ``fmt``). ExportError when there is none."""
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
     home = job_home(spec)
     path = chosen_checkpoint(home, spec.name, step)
     state = ckpt.load_state(home.root.fs, path)
+    if spec.model.hf is not None:  # the model's own folder, as from_pretrained loads it, with its tokenizer
+        from trainers.workloads.hf import export_pretrained
+
+        return export_pretrained(spec, state["model"], home.root, home.job, EXPORTED_DIR)
     metadata = {"job": spec.name, "step": str(state["step"]), "checkpoint": posixpath.basename(path)}
     name = EXPORTED_FILES[fmt]
     write_whole(home.root.fs, home.root.path(home.job, EXPORTED_DIR, name), serialized(state["model"], fmt, metadata))

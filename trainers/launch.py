@@ -33,7 +33,8 @@ from trainers import checkpoint_files as ckpt
 from trainers.config.errors import SpecError
 from trainers.config.job import JobSpec
 from trainers.init_weights import InitFromError, absolute, check_exists
-from trainers.job_folder import JOB_FILE, RAY_SNAPSHOT_FILE, SUMMARY_FILE, JobHome, job_home, read_interruptions
+from trainers.job_folder import (EXPORTED_DIR, JOB_FILE, RAY_SNAPSHOT_FILE, SUMMARY_FILE, JobHome, job_home,
+                                 read_interruptions)
 from trainers.recovery import StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV
 from trainers.workloads.datasets import prepare_data
@@ -197,7 +198,9 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, callbacks: tuple = (
                                                       callbacks, submitted_at)
         c = spec.checkpoint  # the loop prunes as it goes; the last async uploads land after it stops
         ckpt.prune(home.root.fs, home.run_path, c.num_to_keep, c.keep_best_metric, c.keep_best_mode)
-        summary = write_summary(spec, home, metrics, checkpoint_uri, error, started,
+        extra = {"text_data": text_data(spec, data_uri),
+                 "exported_model": export_hf(spec, home, checkpoint_uri) if error is None else None}
+        summary = write_summary(spec, home, metrics, checkpoint_uri, error, started, extra=extra,
                                 interruptions=[r for r in read_interruptions(home.root, home.job) if r.get("run_id") == run_id])
     finally:
         restore_signals()
@@ -208,10 +211,12 @@ def run_job(spec: JobSpec, stop_at_step: int | None = None, callbacks: tuple = (
 
 
 def write_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_uri: str | None,
-                  error: BaseException | None, started: float, interruptions: list[dict]) -> dict:
-    """The run's summary, with this run's interruptions, written to <job>/summary.json."""
+                  error: BaseException | None, started: float, interruptions: list[dict], extra: dict | None = None) -> dict:
+    """The run's summary, with this run's interruptions (and ``extra``: a model.hf job's tokenized text
+    and exported model), written to <job>/summary.json."""
     summary = make_summary(spec, home, metrics, checkpoint_uri, error, time.time() - started)
     summary["interruptions"] = interruptions
+    summary.update({k: v for k, v in (extra or {}).items() if v is not None})
     home.root.write_json(summary, home.job, SUMMARY_FILE)
     return summary
 
@@ -336,6 +341,27 @@ def resume_point(home: JobHome) -> tuple[dict, str | None]:
         log.warning(f"could not read the newest checkpoint for the summary ({type(exc).__name__}: {exc})")
         return {}, None
     return (dict(complete[-1]["metrics"]), complete[-1]["path"]) if complete else ({}, None)
+
+
+def text_data(spec: JobSpec, data_uri: str) -> dict | None:
+    """A model.hf job's tokenized text: where, how many rows and tokens, and the padding fraction."""
+    if not spec.model.hf:
+        return None
+    from trainers.data.text import read_meta
+
+    meta = read_meta(data_uri)
+    return {"uri": data_uri, **{k: meta[k] for k in ("texts", "rows", "tokens", "mean_length", "padding_fraction")
+                                if k in meta}}
+
+
+def export_hf(spec: JobSpec, home: JobHome, checkpoint_path: str | None) -> str | None:
+    """A model.hf job's last checkpoint saved with save_pretrained in <job>/exported/ (its URI)."""
+    if not spec.model.hf or not checkpoint_path:
+        return None
+    from trainers.workloads.hf import export_pretrained
+
+    state = ckpt.load_state(home.root.fs, checkpoint_path)
+    return export_pretrained(spec, state["model"], home.root, home.job, EXPORTED_DIR)
 
 
 def make_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_path: str | None,

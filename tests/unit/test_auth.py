@@ -178,3 +178,19 @@ def test_factories_are_allowed_by_exact_name_never_by_module(tmp_path):
         ServiceSettings(storage_root=str(tmp_path), ray_dashboard_url="http://x", factory_modules=["acme"])
     with pytest.raises(ValueError, match="'acme_models' is not 'package.module:function'"):
         ServiceSettings(storage_root=str(tmp_path), ray_dashboard_url="http://x", allowed_factories=["acme_models"])
+
+
+def test_a_user_loads_hugging_face_models_only_from_its_own_data(tmp_path):
+    tenant = str(tmp_path / "tenants" / "alice")
+    mine = {"model": {"hf": {"path": f"{tenant}/models/bert", "task": "causal_lm",
+                             "tokenizer": "s3://shared-models/tok"}}}
+    assert policy_problems("user", mine, [], tenant, ["s3://shared-models"]) == []
+    theirs = {"model": {"hf": {"path": f"{tenant}/../bob/models/bert", "task": "causal_lm", "tokenizer": "models/tok"}}}
+    problems = policy_problems("user", theirs, [], tenant)
+    assert any(p.startswith(f'model.hf.path: "{tenant}/../bob/models/bert": outside your data') for p in problems)
+    assert any(p.startswith('model.hf.tokenizer: "models/tok": outside your data: role \'user\' loads models only '
+                            "from a full URI or absolute path") for p in problems)
+    assert policy_problems("code", theirs, [], tenant) == []
+    swept = {**mine, "sweep": {"space": {"model.hf.path": {"choice": ["/etc"]}}}}
+    assert any(p.startswith('sweep.space.model.hf.path: "/etc": model.hf.path: "/etc": outside your data')
+               for p in policy_problems("user", swept, [], tenant))

@@ -45,3 +45,13 @@ def test_doctor_says_which_way_use_gpu_auto_goes_and_why():
     assert "no GPU up now, but the autoscaler can launch 10 (gpu_spot, gpu_ondemand" in scale_from_zero.what
     cpu_only = check_gpu_decision(GpuCapacity(0, 0, "none"))
     assert "train on CPUs with gloo" in cpu_only.what and "no GPU node type" in cpu_only.what
+
+
+def test_the_hf_packages_are_named_when_missing():
+    from cluster.doctor import check_hf
+
+    found = check_hf()
+    assert found.level == "ok" and "transformers 5.23.0" in found.what
+    missing = check_hf(find=lambda name: None if name == "transformers" else object())
+    assert missing.level == "warn" and "transformers not installed: jobs with model.hf cannot run here" in missing.what
+    assert "pip install transformers==" in missing.fix

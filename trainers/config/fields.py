@@ -37,6 +37,12 @@ def refs_not_imported():
         _IMPORT_REFS.reset(token)
 
 
+def refs_imported() -> bool:
+    """Whether this validation may look at what is installed (False in the service: a job's
+    cluster has its own environment)."""
+    return _IMPORT_REFS.get()
+
+
 def check_import_ref(ref: str) -> str:
     """Check that ``pkg.module:attr`` names something importable and callable (or only its shape)."""
     if not re.fullmatch(REF_PATTERN, ref):

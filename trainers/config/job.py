@@ -16,6 +16,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, mode
 from cluster.storage import check_uri, default_root
 from trainers.config.errors import nested_models
 from trainers.config.fields import Strict, check_import_ref, check_options
+from trainers.config.hf import TEXT_SUFFIXES, HFModel, hf_problems
 from trainers.config.prices import CostConfig
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -201,6 +202,7 @@ class DataColumns(Strict):
     features: str = Field("features", description="list of floats, the same length in every row")
     label: str = Field("label", description="int (classes) or float (regression)")
     tokens: str = Field("tokens", description="list of ints, for tiny_gpt")
+    text: str | None = Field(None, description="strings, for model.hf (tokenized once, cached)")
 
 
 class FactoryFields(Strict):
@@ -219,7 +221,8 @@ class FactoryFields(Strict):
 
 
 class DataConfig(FactoryFields):
-    source: str | None = Field(None, description="builtin:digits, builtin:text, or a Parquet path / s3:// URI")
+    source: str | None = Field(None, description="builtin:digits, builtin:text, or a Parquet path / s3:// URI "
+                                                 "(with model.hf also JSON Lines: .jsonl)")
     factory: str | None = Field(None, description="'pkg.module:fn' returning a map-style Dataset")
     options: dict[str, Any] = {}
     columns: DataColumns = DataColumns()
@@ -248,8 +251,8 @@ class DataConfig(FactoryFields):
         problem = check_uri(v)
         if problem:
             raise ValueError(problem)
-        if not v.rstrip("/").endswith(".parquet") and not v.endswith("/"):
-            raise ValueError("must be a .parquet file or a folder ending in '/'")
+        if not v.rstrip("/").endswith(TEXT_SUFFIXES) and not v.endswith("/"):
+            raise ValueError("must be a .parquet file (or, for model.hf, a .jsonl one) or a folder ending in '/'")
         return v
 
     @field_validator("num_workers", mode="before")
@@ -263,6 +266,7 @@ class DataConfig(FactoryFields):
 class ModelConfig(FactoryFields):
     name: Literal["mlp", "tiny_gpt"] = "mlp"
     factory: str | None = Field(None, description="'pkg.module:fn' returning an nn.Module")
+    hf: HFModel | None = Field(None, description="a Hugging Face save_pretrained model: {path, task, tokenizer}")
     options: dict[str, Any] = {}
     loss: Literal["cross_entropy", "mse"] = "cross_entropy"
     hidden_size: int = Field(128, gt=0)
@@ -339,7 +343,7 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
             f"training.batch_size: {t.batch_size}: smaller than the most workers ({d.max_workers}), "
             "so some would get no samples: raise batch_size or lower distributed.num_workers"
         )
-    if spec.data.source in BUILTIN_SOURCES and spec.model.factory is None:
+    if spec.data.source in BUILTIN_SOURCES and spec.model.factory is None and spec.model.hf is None:
         wanted = BUILTIN_SOURCES[spec.data.source]
         if spec.model.name != wanted:
             problems.append(
@@ -351,7 +355,8 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
             f"data.max_tokens_per_batch: {spec.data.max_tokens_per_batch}: smaller than model.max_seq_len "
             f"({spec.model.max_seq_len}), so a long sequence fits no batch: raise it"
         )
-    if spec.model.factory and not (spec.data.factory or (spec.data.source and not spec.data.source.startswith("builtin:"))):
+    problems += hf_problems(spec)
+    if spec.model.factory and not spec.model.hf and not (spec.data.factory or (spec.data.source and not spec.data.source.startswith("builtin:"))):
         problems.append("model.factory: set: needs its own data: set data.factory or a Parquet data.source")
     if spec.model.init_from and spec.train_loop:
         problems.append(f"model.init_from: {spec.model.init_from!r}: not used by your own train_loop: load the "

@@ -15,6 +15,7 @@ _HOMES = {
     "BatchPlan": "trainers.data.plan", "Cursor": "trainers.data.plan", "StepMicroBatches": "trainers.data.plan",
     "micro_batches": "trainers.data.plan", "padding_fraction": "trainers.data.plan", "rank_share": "trainers.data.plan",
     "FeatureSource": "trainers.data.sources", "PairsSource": "trainers.data.sources", "TokenSource": "trainers.data.sources",
+    "TextSource": "trainers.data.sources",
 }
 
 __all__ = sorted(_HOMES)

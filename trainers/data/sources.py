@@ -200,7 +200,7 @@ class TokenSource(TableSource):
         flat = np.empty(int(dest[-1]), dtype=np.int64)
         for g in present:  # every token of the chunk, in sample order, gathered per group
             here = groups == g
-            values, offsets = held[g]
+            values, offsets = held[g][0], held[g][1]
             n = lens[here]
             within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
             flat[np.repeat(dest[:-1][here], n) + within] = values[np.repeat(offsets[local[here]], n) + within]
@@ -209,9 +209,41 @@ class TokenSource(TableSource):
             ls = lens[first:first + size]
             longest = int(ls.max())
             padded = np.full((size, longest), self.pad_id, dtype=np.int64)
-            padded[np.arange(longest)[None, :] < ls[:, None]] = flat[dest[first]:dest[first + size]]
-            out.append({"tokens": torch.from_numpy(padded), "num_tokens": int(ls.sum())})
+            real = np.arange(longest)[None, :] < ls[:, None]
+            padded[real] = flat[dest[first]:dest[first + size]]
+            out.append(self.micro_batch(padded, real, ls, held, groups[first:first + size], local[first:first + size]))
             first += size
+        return out
+
+    def micro_batch(self, padded: np.ndarray, real: np.ndarray, lengths: np.ndarray, held: dict,
+                    groups: np.ndarray, local: np.ndarray) -> dict:
+        """One micro-batch from its padded rows (``real`` marks the tokens that are not padding)."""
+        return {"tokens": torch.from_numpy(padded), "num_tokens": int(lengths.sum())}
+
+
+class TextSource(TokenSource):
+    """Tokenized text for a Hugging Face model (``trainers.data.text``): ``input_ids`` padded per
+    micro-batch with their ``attention_mask``, and each row's class in ``labels`` when there is one."""
+
+    def __init__(self, files: ParquetFiles, pad_id: int, max_len: int, label: str | None = None):
+        TableSource.__init__(self, files, {"input_ids": "input_ids", **({"label": label} if label else {})})
+        self.pad_id, self.max_len, self.label = pad_id, max_len, label
+        self.lengths = np.minimum(files.list_lengths("input_ids"), max_len)
+
+    def decode(self, table: pa.Table) -> tuple:
+        values, offsets = super().decode(table)
+        labels = table.column(1).to_numpy().astype(np.int64) if self.label else None
+        return values, offsets, labels
+
+    def micro_batch(self, padded, real, lengths, held, groups, local) -> dict:
+        out = {"input_ids": torch.from_numpy(padded), "attention_mask": torch.from_numpy(real.astype(np.int64)),
+               "num_tokens": int(lengths.sum())}
+        if self.label:
+            labels = np.empty(len(local), dtype=np.int64)
+            for g in np.unique(groups).tolist():
+                here = groups == g
+                labels[here] = held[g][2][local[here]]
+            out["labels"] = torch.from_numpy(labels)
         return out
 
 

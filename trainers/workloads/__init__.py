@@ -35,7 +35,11 @@ class Workload(Protocol):
 
 
 def resolve(spec: JobSpec) -> Workload:
-    """The workload a spec asks for: a user factory, or the built-in that fits model.name."""
+    """The workload a spec asks for: a Hugging Face model, a user factory, or the built-in that fits model.name."""
+    if spec.model.hf:
+        from trainers.workloads.hf import HFWorkload
+
+        return HFWorkload(spec.model.hf.task, spec.model.max_seq_len)
     if spec.model.factory or spec.data.factory:
         from trainers.workloads.custom import CustomWorkload
 

@@ -71,7 +71,12 @@ def text_table() -> pa.Table:
 
 def prepare_data(spec: JobSpec, root: StorageRoot) -> str:
     """The driver's part of the workload a spec asks for (trainers.workloads.resolve): make its data
-    exist under ``root``, return its URI (a user factory's job reads its own: the source as given)."""
+    exist under ``root``, return its URI (a user factory's job reads its own: the source as given;
+    a Hugging Face model's text is tokenized once, trainers.data.text)."""
+    if spec.model.hf:
+        from trainers.data.text import prepare_text
+
+        return prepare_text(spec, root)
     if spec.model.factory or spec.data.factory:
         return spec.data.source or ""
     if spec.model.name == "tiny_gpt":
