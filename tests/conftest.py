@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from pathlib import Path
@@ -32,13 +33,33 @@ def pytest_configure(config):
     cpu_profile.install(config)  # with ETRAIN_CPU_PROFILE set (make test-profile): CPU seconds per test
 
 
+def ephemeral_ports() -> range:
+    """The kernel's range for the local ports of outgoing connections (Linux's default elsewhere)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+PORTS_FROM = 20000  # above Ray's worker ports (10002-19999 by default)
+
+
 def free_port() -> int:
-    """A port free now and not handed out before in this process: a test that asks for several
-    at once (one per Ray component) gets distinct ones, which the kernel does not promise when
-    each probe's socket is closed before the next (it gave `ray start` one port twice)."""
+    """A port free now, outside the kernel's ephemeral range, and not handed out before in this
+    process. Outside the range: an outgoing connection of any process may take an ephemeral port
+    between this probe and the server's own bind (a multi-node Ray's dashboard lost its port so in
+    a full run). Not handed out before: a test that asks for several at once (one per Ray
+    component) gets distinct ones, which probes closed one after another do not promise."""
+    ephemeral = ephemeral_ports()
+    candidates = range(PORTS_FROM, ephemeral.start) if ephemeral.start - PORTS_FROM >= 1000 else None
     while True:
+        wanted = random.choice(candidates) if candidates else 0  # 0: the kernel's choice, where no room is left
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", wanted))
+            except OSError:  # in use (or in TIME_WAIT): another
+                continue
             port = s.getsockname()[1]
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
