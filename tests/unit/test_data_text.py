@@ -12,23 +12,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hf_models import make_causal_lm, make_classifier, make_tokenizer, write_documents, write_reviews
+from hf_models import (cls_folder, lm_folder, make_causal_lm,  # noqa: F401  (pytest fixtures, used by name)
+                       make_tokenizer, write_documents, write_reviews)
 
 from cluster.storage import open_root
 from trainers.config.loading import validate
 from trainers.data import ParquetFiles, TextSource
 from trainers.data import text as text_mod
 from trainers.data.text import Packer, local_folder, prepare_text, read_meta
-
-
-@pytest.fixture(scope="module")
-def lm_folder(tmp_path_factory):
-    return make_causal_lm(tmp_path_factory.mktemp("lm"))
-
-
-@pytest.fixture(scope="module")
-def cls_folder(tmp_path_factory):
-    return make_classifier(tmp_path_factory.mktemp("cls"))
 
 
 def lm_spec(tmp_path, model, source, max_seq_len=32, **data):

@@ -10,7 +10,8 @@ import logging
 import numpy as np
 import pytest
 import torch
-from hf_models import make_causal_lm, make_classifier, make_tokenizer, reviews, write_documents, write_reviews
+from hf_models import (cls_folder, lm_folder, make_tokenizer, reviews,  # noqa: F401  (pytest fixtures, used by name)
+                       write_documents, write_reviews)
 
 from cluster.storage import open_root
 from trainers.config.loading import validate
@@ -18,16 +19,6 @@ from trainers.workloads import resolve
 from trainers.workloads.hf import HFWorkload
 
 log = logging.getLogger(__name__)
-
-
-@pytest.fixture(scope="module")
-def lm_folder(tmp_path_factory):
-    return make_causal_lm(tmp_path_factory.mktemp("lm"))
-
-
-@pytest.fixture(scope="module")
-def cls_folder(tmp_path_factory):
-    return make_classifier(tmp_path_factory.mktemp("cls"))
 
 
 def spec_for(tmp_path, folder, task, source, max_seq_len=32):
