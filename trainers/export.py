@@ -81,14 +81,21 @@ def export_weights(spec: JobSpec, step: int | None = None, fmt: str = "safetenso
         raise ExportError(f"--format {fmt}: use one of {', '.join(FORMATS)}")
     home = job_home(spec)
     path = chosen_checkpoint(home, spec.name, step)
+    if spec.model.hf is not None:
+        return export_pretrained_folder(spec, home, path)
     state = ckpt.load_state(home.root.fs, path)
-    if spec.model.hf is not None:  # the model's own folder, as from_pretrained loads it, with its tokenizer
-        from trainers.workloads.hf import export_pretrained
-
-        return export_pretrained(spec, state["model"], home.root, home.job, EXPORTED_DIR)
     metadata = {"job": spec.name, "step": str(state["step"]), "checkpoint": posixpath.basename(path)}
     name = EXPORTED_FILES[fmt]
     write_whole(home.root.fs, home.root.path(home.job, EXPORTED_DIR, name), serialized(state["model"], fmt, metadata))
     log.info("exported the model of %s (step %s): %d tensors", posixpath.basename(path), state["step"],
              len(state["model"]))
     return home.root.uri_of(home.job, EXPORTED_DIR, name)
+
+
+def export_pretrained_folder(spec: JobSpec, home: JobHome, checkpoint_path: str) -> str:
+    """A ``model.hf`` job's checkpoint as the model's own folder, with its tokenizer, in
+    ``<job folder>/exported/`` (save_pretrained: what from_pretrained loads); its URI."""
+    from trainers.workloads.hf import export_pretrained
+
+    state = ckpt.load_state(home.root.fs, checkpoint_path)
+    return export_pretrained(spec, state["model"], home.root, home.job, EXPORTED_DIR)

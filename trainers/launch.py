@@ -33,7 +33,7 @@ from trainers import checkpoint_files as ckpt
 from trainers.config.errors import SpecError
 from trainers.config.job import JobSpec
 from trainers.init_weights import InitFromError, absolute, check_exists
-from trainers.job_folder import (EXPORTED_DIR, JOB_FILE, RAY_SNAPSHOT_FILE, SUMMARY_FILE, JobHome, job_home,
+from trainers.job_folder import (JOB_FILE, RAY_SNAPSHOT_FILE, SUMMARY_FILE, JobHome, job_home,
                                  read_interruptions)
 from trainers.recovery import StopFlag, classify_failure, nodes_died, settle_peer_lost, should_retry
 from trainers.worker_log import LOG_LEVEL_ENV
@@ -358,10 +358,9 @@ def export_hf(spec: JobSpec, home: JobHome, checkpoint_path: str | None) -> str 
     """A model.hf job's last checkpoint saved with save_pretrained in <job>/exported/ (its URI)."""
     if not spec.model.hf or not checkpoint_path:
         return None
-    from trainers.workloads.hf import export_pretrained
+    from trainers.export import export_pretrained_folder
 
-    state = ckpt.load_state(home.root.fs, checkpoint_path)
-    return export_pretrained(spec, state["model"], home.root, home.job, EXPORTED_DIR)
+    return export_pretrained_folder(spec, home, checkpoint_path)
 
 
 def make_summary(spec: JobSpec, home: JobHome, metrics: dict, checkpoint_path: str | None,
